@@ -1,0 +1,180 @@
+//! The payments service: routes and handlers, shared by the example's `main` and the
+//! contract tests.
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use axum::{
+    extract::State,
+    http::{header, request::Parts, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Json, Router,
+};
+use serde::Deserialize;
+use serde_json::json;
+use tower_idempotency::{IdempotencyLayer, Store};
+
+/// Handler executions (never replays), and what makes ids unique across restarts.
+#[derive(Debug)]
+pub struct Stats {
+    pub payments: AtomicU64,
+    pub refunds: AtomicU64,
+    pub tokens: AtomicU64,
+    boot: u128,
+    ids: AtomicU64,
+}
+
+impl Stats {
+    fn new() -> Self {
+        Self {
+            payments: AtomicU64::new(0),
+            refunds: AtomicU64::new(0),
+            tokens: AtomicU64::new(0),
+            boot: now_ms(),
+            ids: AtomicU64::new(0),
+        }
+    }
+
+    fn next_id(&self, prefix: &str) -> String {
+        let n = self.ids.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}_{:x}{n:08x}", self.boot)
+    }
+}
+
+/// How long completed responses are kept and how long a claim's lease runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub ttl: Duration,
+    pub lease: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The whole service: `/v1/payments` and `/v1/tokens` require a key, `/v1/refunds` takes
+/// one optionally, `/v1/stats` is outside the idempotency layer.
+pub fn router(store: Arc<dyn Store>, timing: Timing) -> (Router, Arc<Stats>) {
+    let stats = Arc::new(Stats::new());
+    let layer = IdempotencyLayer::from_shared(store)
+        .ttl(timing.ttl)
+        .lease(timing.lease)
+        .principal(bearer_user);
+    let app = Router::new()
+        .route(
+            "/v1/payments",
+            post(create_payment).layer(layer.clone().required()),
+        )
+        .route("/v1/refunds", post(create_refund).layer(layer.clone()))
+        .route("/v1/tokens", post(create_token).layer(layer.required()))
+        .route("/v1/stats", get(get_stats))
+        .with_state(stats.clone());
+    (app, stats)
+}
+
+/// `Authorization: Bearer <user>`: the token is the user id; none is anonymous.
+fn bearer_user(parts: &Parts) -> Option<String> {
+    let value = parts.headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    value.strip_prefix("Bearer ").map(str::to_owned)
+}
+
+#[derive(Deserialize)]
+struct Charge {
+    amount: i64,
+    currency: String,
+    simulate: Option<Simulate>,
+    delay_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+enum Simulate {
+    Decline,
+    Error,
+    Slow,
+}
+
+async fn create_payment(State(stats): State<Arc<Stats>>, Json(charge): Json<Charge>) -> Response {
+    stats.payments.fetch_add(1, Ordering::Relaxed);
+    match charge.simulate {
+        Some(Simulate::Error) => {
+            return (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Json(json!({ "error": "internal" })),
+            )
+                .into_response()
+        }
+        Some(Simulate::Decline) => {
+            let id = stats.next_id("pay");
+            return (
+                StatusCode::PAYMENT_REQUIRED,
+                Json(json!({ "error": "card_declined", "id": id })),
+            )
+                .into_response();
+        }
+        Some(Simulate::Slow) => {
+            tokio::time::sleep(Duration::from_millis(charge.delay_ms.unwrap_or(0))).await;
+        }
+        None => {}
+    }
+    created(&stats, "pay", "/v1/payments", charge)
+}
+
+async fn create_refund(State(stats): State<Arc<Stats>>, Json(charge): Json<Charge>) -> Response {
+    stats.refunds.fetch_add(1, Ordering::Relaxed);
+    created(&stats, "re", "/v1/refunds", charge)
+}
+
+fn created(stats: &Stats, prefix: &str, collection: &str, charge: Charge) -> Response {
+    let id = stats.next_id(prefix);
+    let location = format!("{collection}/{id}");
+    let body = json!({
+        "id": id,
+        "amount": charge.amount,
+        "currency": charge.currency,
+        "status": "succeeded",
+        "created": now_ms() as u64,
+    });
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(body),
+    )
+        .into_response()
+}
+
+async fn create_token(State(stats): State<Arc<Stats>>) -> Response {
+    stats.tokens.fetch_add(1, Ordering::Relaxed);
+    let bytes: [u8; 64] = rand::random();
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        bytes.to_vec(),
+    )
+        .into_response()
+}
+
+async fn get_stats(State(stats): State<Arc<Stats>>) -> Json<serde_json::Value> {
+    Json(json!({
+        "payments_executed": stats.payments.load(Ordering::Relaxed),
+        "refunds_executed": stats.refunds.load(Ordering::Relaxed),
+        "tokens_executed": stats.tokens.load(Ordering::Relaxed),
+    }))
+}
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}

@@ -1,0 +1,80 @@
+//! The payments example server.
+//!
+//! ```sh
+//! cargo run --example payments                                  # in-memory store
+//! REDIS_URL=redis://127.0.0.1:6379/ cargo run --example payments # Redis
+//! ```
+//!
+//! Environment: `PAYMENTS_ADDR` (default `127.0.0.1:3000`), `REDIS_URL`, `DATABASE_URL`,
+//! `IDEMPOTENCY_TTL_SECS`, `IDEMPOTENCY_LEASE_SECS`.
+
+mod app;
+
+use std::{sync::Arc, time::Duration};
+
+use tower_idempotency::{MemoryStore, Store};
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,tower_idempotency=info".into()),
+        )
+        .init();
+
+    let mut timing = app::Timing::default();
+    if let Some(secs) = env_secs("IDEMPOTENCY_TTL_SECS")? {
+        timing.ttl = secs;
+    }
+    if let Some(secs) = env_secs("IDEMPOTENCY_LEASE_SECS")? {
+        timing.lease = secs;
+    }
+    let store = store().await?;
+    tracing::info!(?store, ?timing, "payments store");
+    let (app, _stats) = app::router(store, timing);
+
+    let addr = std::env::var("PAYMENTS_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let listener = tokio::net::TcpListener::bind(&addr).await?;
+    tracing::info!("payments listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown())
+        .await?;
+    Ok(())
+}
+
+async fn store() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
+    if let Ok(url) = std::env::var("REDIS_URL") {
+        #[cfg(feature = "redis")]
+        return Ok(Arc::new(
+            tower_idempotency::RedisStore::open(url.as_str()).await?,
+        ));
+        #[cfg(not(feature = "redis"))]
+        return Err(
+            format!("REDIS_URL={url} is set, but this build has no `redis` feature").into(),
+        );
+    }
+    if std::env::var_os("DATABASE_URL").is_some() {
+        tracing::warn!("DATABASE_URL is set, but this build has no PostgreSQL store: using memory");
+    }
+    Ok(Arc::new(MemoryStore::new()))
+}
+
+fn env_secs(name: &str) -> Result<Option<Duration>, String> {
+    match std::env::var(name) {
+        Ok(value) => value
+            .parse::<u64>()
+            .map(|secs| Some(Duration::from_secs(secs)))
+            .map_err(|_| format!("{name}={value} is not a whole number of seconds")),
+        Err(_) => Ok(None),
+    }
+}
+
+async fn shutdown() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

@@ -1,0 +1,355 @@
+//! A claimed key: execute once, keep the lease alive, record or release the outcome.
+
+use std::{fmt, future::Future, panic::AssertUnwindSafe, pin::pin, sync::Arc};
+
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::{header, HeaderMap, HeaderName, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::BodyExt;
+use tower_service::Service;
+
+use crate::{
+    body::ResponseBody,
+    layer::Config,
+    response::{replay, Rejection},
+    store::{Claim, Fenced, Store},
+    ClaimToken, Fingerprint, Scope, StoredResponse,
+};
+
+/// Claims `scope` and answers: a replay, a conflict, or the inner service's response
+/// (recorded unless released).
+pub(crate) async fn run<S, ReqBody, ResBody>(
+    mut inner: S,
+    store: Arc<dyn Store>,
+    config: Arc<Config>,
+    scope: Scope,
+    fingerprint: Fingerprint,
+    request: Request<ReqBody>,
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: Body<Data = Bytes> + Unpin,
+    ResBody::Error: fmt::Display,
+{
+    let token = match store.claim(&scope, fingerprint, config.lease).await {
+        Ok(Claim::Claimed(token)) => token,
+        Ok(
+            Claim::Completed {
+                fingerprint: theirs,
+                ..
+            }
+            | Claim::InProgress {
+                fingerprint: theirs,
+                ..
+            },
+        ) if theirs != fingerprint => {
+            return Ok(Rejection::ReusedWithDifferentParams.into_response());
+        }
+        Ok(Claim::Completed { response, .. }) => return Ok(replay(response)),
+        Ok(Claim::InProgress {
+            lease_remaining, ..
+        }) => {
+            return Ok(Rejection::InProgress {
+                retry_after: lease_remaining,
+            }
+            .into_response());
+        }
+        Err(error) if config.fail_open => {
+            tracing::error!(
+                principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
+                "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
+            );
+            let response = inner.call(request).await?;
+            return Ok(response.map(ResponseBody::inner));
+        }
+        Err(error) => {
+            tracing::error!(
+                principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
+                "idempotency store unavailable: refusing the request (fail-closed)"
+            );
+            return Ok(Rejection::StoreUnavailable.into_response());
+        }
+    };
+
+    let claim = Held {
+        store,
+        config,
+        scope,
+        token,
+    };
+    let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
+    match claim.renew_while(call).await {
+        Err(panic) => {
+            claim.release("the handler panicked").await;
+            std::panic::resume_unwind(panic)
+        }
+        Ok(Err(error)) => {
+            claim.release("the inner service failed").await;
+            Err(error)
+        }
+        Ok(Ok(response)) if (claim.config.release_on)(response.status()) => {
+            claim.release("the response status releases the key").await;
+            Ok(response.map(ResponseBody::inner))
+        }
+        Ok(Ok(response)) => Ok(claim.record(fingerprint, response).await),
+    }
+}
+
+/// A key this request claimed, with what it takes to write to it.
+struct Held {
+    store: Arc<dyn Store>,
+    config: Arc<Config>,
+    scope: Scope,
+    token: ClaimToken,
+}
+
+impl Held {
+    /// Drives `future` to completion, renewing the lease every third of it.
+    async fn renew_while<F: Future>(&self, future: F) -> F::Output {
+        let lease = self.config.lease;
+        let period = lease / 3;
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut future = pin!(future);
+        let mut renewing = true;
+        loop {
+            tokio::select! {
+                biased;
+                output = &mut future => return output,
+                _ = ticks.tick(), if renewing => {
+                    match self.store.extend(&self.scope, self.token, lease).await {
+                        Ok(Fenced::Applied) => {}
+                        Ok(Fenced::Lost) => {
+                            renewing = false;
+                            self.warn("lease lost while the handler ran: another request may execute this key");
+                        }
+                        Err(error) => tracing::warn!(
+                            principal = self.scope.principal(), endpoint = self.scope.endpoint(),
+                            key = %self.scope.key(), %error, "could not renew the idempotency lease"
+                        ),
+                    }
+                }
+            }
+        }
+    }
+
+    async fn release(&self, why: &str) {
+        match self.store.release(&self.scope, self.token).await {
+            Ok(Fenced::Applied) => {
+                tracing::debug!(key = %self.scope.key(), why, "idempotency key released");
+            }
+            Ok(Fenced::Lost) => self.warn("could not release: the claim was already lost"),
+            Err(error) => tracing::error!(
+                principal = self.scope.principal(), endpoint = self.scope.endpoint(),
+                key = %self.scope.key(), %error, why,
+                "could not release the idempotency key: retries get 409 until the lease runs out"
+            ),
+        }
+    }
+
+    /// Buffers the response (up to `max_response_body`), stores it, and returns it.
+    async fn record<B>(
+        &self,
+        fingerprint: Fingerprint,
+        response: Response<B>,
+    ) -> Response<ResponseBody<B>>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: fmt::Display,
+    {
+        let (parts, body) = response.into_parts();
+        let (stored, body) = match buffer_response(body, self.config.max_response_body).await {
+            Buffered::Whole(bytes) => {
+                let headers = replayable_headers(&parts.headers);
+                let stored = StoredResponse {
+                    status: parts.status,
+                    headers,
+                    body: bytes.clone(),
+                };
+                (stored, ResponseBody::full(bytes))
+            }
+            Buffered::TooLarge { prefix, rest } => {
+                self.warn("response larger than max_response_body: retries get 409 response_not_replayable");
+                let stored = Rejection::NotReplayable {
+                    status: parts.status,
+                }
+                .into_stored();
+                (stored, ResponseBody::spliced(prefix, rest))
+            }
+            Buffered::Failed(error) => {
+                tracing::error!(key = %self.scope.key(), %error, "the response body failed");
+                self.release("the response body failed").await;
+                let mut response = Response::new(ResponseBody::full(Bytes::new()));
+                *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                return response;
+            }
+        };
+        let ttl = self.config.ttl;
+        match self
+            .store
+            .complete(&self.scope, self.token, fingerprint, &stored, ttl)
+            .await
+        {
+            Ok(Fenced::Applied) => {}
+            Ok(Fenced::Lost) => {
+                self.warn("claim lost before the response was recorded: it will not be replayed")
+            }
+            Err(error) => tracing::error!(
+                principal = self.scope.principal(), endpoint = self.scope.endpoint(),
+                key = %self.scope.key(), %error,
+                "could not record the response: retries get 409 until the lease runs out, then execute again"
+            ),
+        }
+        Response::from_parts(parts, body)
+    }
+
+    fn warn(&self, message: &str) {
+        tracing::warn!(
+            principal = self.scope.principal(), endpoint = self.scope.endpoint(),
+            key = %self.scope.key(), token = ?self.token, "{message}"
+        );
+    }
+}
+
+enum Buffered<B: Body> {
+    Whole(Bytes),
+    TooLarge { prefix: Bytes, rest: B },
+    Failed(B::Error),
+}
+
+async fn buffer_response<B>(mut body: B, limit: usize) -> Buffered<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Buffered::TooLarge {
+            prefix: Bytes::new(),
+            rest: body,
+        };
+    }
+    // Most bodies are one frame: keep it without copying.
+    let mut first: Option<Bytes> = None;
+    let mut more = BytesMut::new();
+    let mut len = 0;
+    while let Some(frame) = body.frame().await {
+        let data = match frame {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => data,
+                // Trailers are not recorded.
+                Err(_) => continue,
+            },
+            Err(error) => return Buffered::Failed(error),
+        };
+        len += data.len();
+        match &first {
+            None => first = Some(data),
+            Some(head) => {
+                if more.is_empty() {
+                    more.extend_from_slice(head);
+                }
+                more.extend_from_slice(&data);
+            }
+        }
+        if len > limit {
+            let prefix = if more.is_empty() {
+                first.unwrap_or_default()
+            } else {
+                more.freeze()
+            };
+            return Buffered::TooLarge { prefix, rest: body };
+        }
+    }
+    Buffered::Whole(if more.is_empty() {
+        first.unwrap_or_default()
+    } else {
+        more.freeze()
+    })
+}
+
+/// Every header but the hop-by-hop ones (RFC 9110 §7.6.1, and any that `Connection`
+/// names) and `Date`, which belong to one transmission, not to the response.
+fn replayable_headers(headers: &HeaderMap) -> HeaderMap {
+    const NOT_REPLAYED: [&str; 10] = [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "date",
+    ];
+    let named_by_connection: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    let mut kept = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        if !NOT_REPLAYED.contains(&name.as_str()) && !named_by_connection.contains(name) {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+    use http_body_util::{Full, StreamBody};
+
+    #[test]
+    fn hop_by_hop_headers_and_date_are_not_replayed() {
+        let mut headers = HeaderMap::new();
+        headers.append("content-type", HeaderValue::from_static("application/json"));
+        headers.append(
+            "date",
+            HeaderValue::from_static("Tue, 01 Dec 2026 00:00:00 GMT"),
+        );
+        headers.append("connection", HeaderValue::from_static("x-hop"));
+        headers.append("x-hop", HeaderValue::from_static("1"));
+        headers.append("transfer-encoding", HeaderValue::from_static("chunked"));
+        headers.append("set-cookie", HeaderValue::from_static("a=1"));
+        headers.append("set-cookie", HeaderValue::from_static("b=2"));
+        let kept = replayable_headers(&headers);
+        let names: Vec<_> = kept
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("content-type", "application/json"),
+                ("set-cookie", "a=1"),
+                ("set-cookie", "b=2")
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn buffering_stops_at_the_limit_and_keeps_the_rest() {
+        let chunks = (0..10u8).map(|i| {
+            Ok::<_, std::convert::Infallible>(http_body::Frame::data(Bytes::from(vec![i; 100])))
+        });
+        let body = StreamBody::new(futures_util::stream::iter(chunks));
+        match buffer_response(body, 250).await {
+            Buffered::TooLarge { prefix, rest } => {
+                assert_eq!(prefix.len(), 300);
+                let rest = rest.collect().await.unwrap().to_bytes();
+                assert_eq!(prefix.len() + rest.len(), 1000);
+                assert_eq!(rest[0], 3);
+            }
+            _ => panic!("expected TooLarge"),
+        }
+        match buffer_response(Full::new(Bytes::from_static(b"abc")), 3).await {
+            Buffered::Whole(bytes) => assert_eq!(bytes, "abc"),
+            _ => panic!("expected Whole"),
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! `IdempotencyLayer` and its configuration.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use http::{HeaderName, Method, StatusCode};
+use tower_layer::Layer;
+
+use crate::{
+    principal::{BoxedPrincipal, DefaultPrincipal, ExtractPrincipal, Unscoped},
+    service::Idempotency,
+    store::Store,
+};
+
+/// Applies [`Idempotency`] to a service: requests carrying an `Idempotency-Key` execute once
+/// and every retry gets the first response back.
+///
+/// Each layer has its own configuration, so routes can differ: apply one per route
+/// (`post(handler).layer(..)`, `Router::route_layer`) or one to a whole router. Cloning is
+/// cheap and shares the store.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use axum::{routing::post, Router};
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+///
+/// let store = MemoryStore::new();
+/// let app: Router = Router::new()
+///     .route("/v1/payments", post(|| async { "charged" }))
+///     .route_layer(IdempotencyLayer::new(store).required().ttl(Duration::from_secs(3600)));
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    store: Arc<dyn Store>,
+    config: Arc<Config>,
+}
+
+/// What a layer does; shared by every service it makes.
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) header_name: HeaderName,
+    pub(crate) required: bool,
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) release_on: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
+    pub(crate) fail_open: bool,
+    pub(crate) principal: BoxedPrincipal,
+    pub(crate) endpoint: Endpoint,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+}
+
+/// How a request names its endpoint, the middle part of a key's scope.
+#[derive(Clone, Debug)]
+pub(crate) enum Endpoint {
+    MethodAndPath,
+    #[cfg(feature = "axum")]
+    MatchedPath,
+    Fixed(Arc<str>),
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            methods: vec![Method::POST, Method::PATCH],
+            header_name: HeaderName::from_static("idempotency-key"),
+            required: false,
+            ttl: Duration::from_secs(24 * 60 * 60),
+            lease: Duration::from_secs(30),
+            max_request_body: 1024 * 1024,
+            max_response_body: 1024 * 1024,
+            release_on: Arc::new(|status: StatusCode| status.is_server_error()),
+            fail_open: false,
+            principal: BoxedPrincipal(Arc::new(DefaultPrincipal)),
+            endpoint: Endpoint::MethodAndPath,
+            fingerprint_headers: Vec::new(),
+        }
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer on `store` with the defaults: `POST` and `PATCH`, key optional, results kept
+    /// 24 hours, a 30-second lease renewed while the handler runs, bodies up to 1 MiB,
+    /// released on inner error, panic or 5xx, fail closed, scoped by
+    /// [`DefaultPrincipal`] and `"<METHOD> <path>"`.
+    pub fn new(store: impl Store) -> Self {
+        Self::from_shared(Arc::new(store))
+    }
+
+    /// A layer on a store shared with other layers (or chosen at run time).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, Store};
+    ///
+    /// let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    /// let payments = IdempotencyLayer::from_shared(store.clone()).required();
+    /// let refunds = IdempotencyLayer::from_shared(store);
+    /// ```
+    pub fn from_shared(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            config: Arc::new(Config::default()),
+        }
+    }
+
+    fn config(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// The methods handled; every other request passes straight through, unbuffered.
+    /// Default: `POST`, `PATCH`.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use http::Method;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).methods([Method::POST, Method::PUT]);
+    /// ```
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config().methods = methods.into_iter().collect();
+        self
+    }
+
+    /// The key's header. Default: `Idempotency-Key`.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .header_name(HeaderName::from_static("x-idempotency-key"));
+    /// ```
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config().header_name = name;
+        self
+    }
+
+    /// Handled requests without a key get `400 idempotency_key_required` instead of passing
+    /// through unprotected.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).required();
+    /// ```
+    pub fn required(mut self) -> Self {
+        self.config().required = true;
+        self
+    }
+
+    /// How long a completed response is replayed. Default: 24 hours.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).ttl(Duration::from_secs(7 * 86_400));
+    /// ```
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config().ttl = ttl;
+        self
+    }
+
+    /// The in-progress lease: how long a key stays claimed after its holder stops renewing
+    /// it (a crashed process). Renewed every third of it while the handler runs.
+    /// Default: 30 seconds.
+    ///
+    /// # Panics
+    ///
+    /// If `lease` is under 3 milliseconds, too short to renew.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).lease(Duration::from_secs(10));
+    /// ```
+    pub fn lease(mut self, lease: Duration) -> Self {
+        assert!(
+            lease >= Duration::from_millis(3),
+            "an idempotency lease must be at least 3 ms"
+        );
+        self.config().lease = lease;
+        self
+    }
+
+    /// The largest request body buffered; larger ones get `413 request_body_too_large` and
+    /// nothing is claimed. Default: 1 MiB.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).max_request_body(64 * 1024);
+    /// ```
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.config().max_request_body = bytes;
+        self
+    }
+
+    /// The largest response body recorded. A larger response still reaches its client in
+    /// full (streamed, never buffered past this size), and the key is recorded as executed
+    /// but not replayable: retries get `409 response_not_replayable` with the original
+    /// status, never a second execution. Default: 1 MiB.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).max_response_body(4 * 1024 * 1024);
+    /// ```
+    pub fn max_response_body(mut self, bytes: usize) -> Self {
+        self.config().max_response_body = bytes;
+        self
+    }
+
+    /// Which response statuses release the key instead of recording the response, so that a
+    /// retry executes again. Inner errors and panics always release. Default: 5xx.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// // Also let clients retry after a 429 from a rate limiter inside the layer.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .release_on(|status| status.is_server_error() || status.as_u16() == 429);
+    /// ```
+    pub fn release_on(
+        mut self,
+        release: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.config().release_on = Arc::new(release);
+        self
+    }
+
+    /// When the store cannot be reached, execute requests without protection (and log each
+    /// one at error level) instead of answering `503 idempotency_store_unavailable`.
+    /// Default: fail closed.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).fail_open();
+    /// ```
+    pub fn fail_open(mut self) -> Self {
+        self.config().fail_open = true;
+        self
+    }
+
+    /// How a request names its principal. Default: [`DefaultPrincipal`].
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use http::request::Parts;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).principal(|parts: &Parts| {
+    ///     let token = parts.headers.get("authorization")?.to_str().ok()?;
+    ///     token.strip_prefix("Bearer ").map(str::to_owned)
+    /// });
+    /// ```
+    pub fn principal(mut self, extractor: impl ExtractPrincipal) -> Self {
+        self.config().principal = BoxedPrincipal(Arc::new(extractor));
+        self
+    }
+
+    /// Every caller shares one key space. Only for services with one caller, or keys that
+    /// are globally unique by construction.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped();
+    /// ```
+    pub fn unscoped(self) -> Self {
+        self.principal(Unscoped)
+    }
+
+    /// Name the endpoint by Axum's route template (`POST /v1/orders/{id}`) instead of the
+    /// request path. Falls back to the path where no route matched yet (a layer applied
+    /// with `Router::layer` runs before routing; use `route_layer` or a per-route layer).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).endpoint_from_matched_path();
+    /// ```
+    #[cfg(feature = "axum")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+    pub fn endpoint_from_matched_path(mut self) -> Self {
+        self.config().endpoint = Endpoint::MatchedPath;
+        self
+    }
+
+    /// Give every request through this layer one endpoint name, so that a key is shared
+    /// across paths (for example `/v1/orders` and `/v2/orders`).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).endpoint_name("create-order");
+    /// ```
+    pub fn endpoint_name(mut self, name: impl Into<String>) -> Self {
+        self.config().endpoint = Endpoint::Fixed(name.into().into());
+        self
+    }
+
+    /// Include a request header in the fingerprint, so that the same key and body sent with
+    /// another value of it is a reuse with different parameters.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .fingerprint_header(HeaderName::from_static("x-account"));
+    /// ```
+    pub fn fingerprint_header(mut self, name: HeaderName) -> Self {
+        self.config().fingerprint_headers.push(name);
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, self.store.clone(), self.config.clone())
+    }
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &self.store)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("methods", &self.methods)
+            .field("header_name", &self.header_name)
+            .field("required", &self.required)
+            .field("ttl", &self.ttl)
+            .field("lease", &self.lease)
+            .field("max_request_body", &self.max_request_body)
+            .field("max_response_body", &self.max_response_body)
+            .field("fail_open", &self.fail_open)
+            .field("endpoint", &self.endpoint)
+            .field("fingerprint_headers", &self.fingerprint_headers)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,74 @@
+//! Idempotency keys for Tower and Axum: make non-idempotent requests (a card charge, an
+//! order) safe to retry.
+//!
+//! A client sends `Idempotency-Key: <uuid>` with a `POST`; [`IdempotencyLayer`] claims the
+//! key atomically in a [`Store`], runs the request once, records the response, and replays
+//! it byte for byte (marked `Idempotent-Replayed: true`) to every retry.
+//!
+//! ```no_run
+//! use axum::{routing::post, Router};
+//! use tower_idempotency::{IdempotencyLayer, MemoryStore};
+//!
+//! # async fn run() {
+//! let app = Router::new()
+//!     .route("/v1/payments", post(|body: String| async move { format!("charged {body}") }))
+//!     .route_layer(IdempotencyLayer::new(MemoryStore::new()).required());
+//!
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+//! axum::serve(listener, app).await.unwrap();
+//! # }
+//! ```
+//!
+//! What a client sees:
+//!
+//! | situation | answer |
+//! |---|---|
+//! | first request with a key | the handler's response, recorded |
+//! | retry, same body | the recorded response, `Idempotent-Replayed: true` |
+//! | retry while the first still runs | `409 {"error":"request_in_progress","retry_after":s}`, `Retry-After: s` |
+//! | same key, different body | `409 {"error":"idempotency_key_reused_with_different_params"}` |
+//! | missing key on a [`required`](IdempotencyLayer::required) route | `400 {"error":"idempotency_key_required"}` |
+//! | malformed or repeated key | `400 {"error":"invalid_idempotency_key"}` |
+//! | body over the limit | `413 {"error":"request_body_too_large","limit":n}` |
+//! | store unreachable | `503 {"error":"idempotency_store_unavailable"}`, `Retry-After: 1` |
+//!
+//! The handler's errors, panics and 5xx answers release the key, so a retry executes again.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![forbid(unsafe_code)]
+#![deny(missing_docs, missing_debug_implementations)]
+
+mod body;
+mod execute;
+mod fingerprint;
+mod future;
+mod key;
+mod layer;
+mod principal;
+mod record;
+mod response;
+mod scope;
+mod service;
+pub mod store;
+
+/// The Redis driver the store is built on, so applications use a matching version.
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use ::redis;
+pub use body::ResponseBody;
+pub use fingerprint::Fingerprint;
+pub use future::ResponseFuture;
+pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
+pub use layer::IdempotencyLayer;
+pub use principal::{DefaultPrincipal, ExtractPrincipal, Principal, Unscoped};
+pub use record::{ClaimToken, DecodeError, Record, StoredResponse};
+pub use response::REPLAYED_HEADER;
+pub use scope::Scope;
+pub use service::Idempotency;
+#[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
+pub use store::MemoryStore;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use store::RedisStore;
+pub use store::Store;

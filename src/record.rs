@@ -1,0 +1,248 @@
+//! What a store keeps for a key, and its versioned byte encoding.
+
+use std::fmt;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+
+use crate::Fingerprint;
+
+/// The proof that a request holds a key: every write after the claim must present it, so a
+/// holder whose lease was lost and re-claimed by another request cannot touch the new claim.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClaimToken([u8; 16]);
+
+impl ClaimToken {
+    /// A fresh random token (128 bits).
+    pub fn random() -> Self {
+        Self(rand::random())
+    }
+
+    /// A token from its stored bytes.
+    pub const fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(bytes)
+    }
+
+    /// The token's bytes.
+    pub const fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ClaimToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Only a prefix: enough to correlate log lines, not enough to forge a write.
+        write!(f, "ClaimToken({:02x}{:02x}…)", self.0[0], self.0[1])
+    }
+}
+
+/// A response as the client first received it, to replay byte for byte.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The status code.
+    pub status: StatusCode,
+    /// The headers, hop-by-hop headers and `Date` already removed.
+    pub headers: HeaderMap,
+    /// The body bytes.
+    pub body: Bytes,
+}
+
+/// One key's record in a store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// A request holds the key and is executing.
+    InProgress {
+        /// The fingerprint of the holder's request.
+        fingerprint: Fingerprint,
+        /// The holder's claim token.
+        token: ClaimToken,
+    },
+    /// The operation finished; its response is replayed to every retry.
+    Completed {
+        /// The fingerprint of the request that ran.
+        fingerprint: Fingerprint,
+        /// What it answered.
+        response: StoredResponse,
+    },
+}
+
+/// Bytes that are not a record this version can read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("undecodable idempotency record: {0}")]
+pub struct DecodeError(&'static str);
+
+/// The first byte of every encoded record; a later release that changes the layout bumps
+/// it and keeps reading this one.
+const VERSION_1: u8 = 1;
+const IN_PROGRESS: u8 = b'P';
+const COMPLETED: u8 = b'C';
+
+impl Record {
+    /// The fingerprint of the request that claimed the key.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        match self {
+            Self::InProgress { fingerprint, .. } | Self::Completed { fingerprint, .. } => {
+                fingerprint
+            }
+        }
+    }
+
+    /// Encodes the record: `version, kind, fingerprint`, then the token (in progress) or
+    /// `status u16, header count u32, (name len u32, name, value len u32, value)*, body`.
+    /// Integers are big-endian; the body runs to the end.
+    pub fn encode(&self) -> Bytes {
+        match self {
+            Self::InProgress { fingerprint, token } => {
+                let mut out = BytesMut::with_capacity(2 + 32 + 16);
+                out.put_u8(VERSION_1);
+                out.put_u8(IN_PROGRESS);
+                out.put_slice(fingerprint.as_bytes());
+                out.put_slice(token.as_bytes());
+                out.freeze()
+            }
+            Self::Completed {
+                fingerprint,
+                response,
+            } => {
+                let headers_len: usize = response
+                    .headers
+                    .iter()
+                    .map(|(name, value)| 8 + name.as_str().len() + value.len())
+                    .sum();
+                let mut out =
+                    BytesMut::with_capacity(2 + 32 + 6 + headers_len + response.body.len());
+                out.put_u8(VERSION_1);
+                out.put_u8(COMPLETED);
+                out.put_slice(fingerprint.as_bytes());
+                out.put_u16(response.status.as_u16());
+                out.put_u32(response.headers.len() as u32);
+                for (name, value) in &response.headers {
+                    put_bytes(&mut out, name.as_str().as_bytes());
+                    put_bytes(&mut out, value.as_bytes());
+                }
+                out.put_slice(&response.body);
+                out.freeze()
+            }
+        }
+    }
+
+    /// Decodes what [`Record::encode`] wrote; any other bytes are an error, never a panic.
+    pub fn decode(mut bytes: Bytes) -> Result<Self, DecodeError> {
+        if take_u8(&mut bytes)? != VERSION_1 {
+            return Err(DecodeError("unknown version"));
+        }
+        let kind = take_u8(&mut bytes)?;
+        let fingerprint = Fingerprint::from_bytes(take_array(&mut bytes)?);
+        match kind {
+            IN_PROGRESS => {
+                let token = ClaimToken::from_bytes(take_array(&mut bytes)?);
+                if bytes.has_remaining() {
+                    return Err(DecodeError("trailing bytes"));
+                }
+                Ok(Self::InProgress { fingerprint, token })
+            }
+            COMPLETED => {
+                let status = StatusCode::from_u16(u16::from_be_bytes(take_array(&mut bytes)?))
+                    .map_err(|_| DecodeError("invalid status"))?;
+                let count = u32::from_be_bytes(take_array(&mut bytes)?) as usize;
+                // Each header takes at least 8 bytes: a count larger than that is corrupt,
+                // and must not size an allocation.
+                if count > bytes.len() / 8 {
+                    return Err(DecodeError("header count exceeds record"));
+                }
+                let mut headers = HeaderMap::with_capacity(count);
+                for _ in 0..count {
+                    let name = HeaderName::from_bytes(&take_bytes(&mut bytes)?)
+                        .map_err(|_| DecodeError("invalid header name"))?;
+                    let value = HeaderValue::from_maybe_shared(take_bytes(&mut bytes)?)
+                        .map_err(|_| DecodeError("invalid header value"))?;
+                    headers.append(name, value);
+                }
+                let response = StoredResponse {
+                    status,
+                    headers,
+                    body: bytes,
+                };
+                Ok(Self::Completed {
+                    fingerprint,
+                    response,
+                })
+            }
+            _ => Err(DecodeError("unknown record kind")),
+        }
+    }
+}
+
+fn put_bytes(out: &mut BytesMut, bytes: &[u8]) {
+    out.put_u32(bytes.len() as u32);
+    out.put_slice(bytes);
+}
+
+fn take_u8(bytes: &mut Bytes) -> Result<u8, DecodeError> {
+    take_array::<1>(bytes).map(|[b]| b)
+}
+
+fn take_array<const N: usize>(bytes: &mut Bytes) -> Result<[u8; N], DecodeError> {
+    if bytes.len() < N {
+        return Err(DecodeError("truncated"));
+    }
+    let mut out = [0; N];
+    bytes.copy_to_slice(&mut out);
+    Ok(out)
+}
+
+fn take_bytes(bytes: &mut Bytes) -> Result<Bytes, DecodeError> {
+    let len = u32::from_be_bytes(take_array(bytes)?) as usize;
+    if bytes.len() < len {
+        return Err(DecodeError("truncated"));
+    }
+    Ok(bytes.split_to(len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completed(body: &'static [u8]) -> Record {
+        let mut headers = HeaderMap::new();
+        headers.append("set-cookie", HeaderValue::from_static("a=1"));
+        headers.append("set-cookie", HeaderValue::from_static("b=2"));
+        headers.append("x-bin", HeaderValue::from_bytes(b"\xff\x80opaque").unwrap());
+        Record::Completed {
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            response: StoredResponse {
+                status: StatusCode::PAYMENT_REQUIRED,
+                headers,
+                body: Bytes::from_static(body),
+            },
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        for record in [
+            completed(b"\x00\xffbinary"),
+            completed(b""),
+            Record::InProgress {
+                fingerprint: Fingerprint::from_bytes([1; 32]),
+                token: ClaimToken::random(),
+            },
+        ] {
+            assert_eq!(Record::decode(record.encode()).unwrap(), record);
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_an_error() {
+        let encoded = completed(b"").encode();
+        for len in 0..encoded.len() {
+            assert!(
+                Record::decode(encoded.slice(..len)).is_err(),
+                "prefix of {len} bytes"
+            );
+        }
+        let mut other_version = encoded.to_vec();
+        other_version[0] = 99;
+        assert!(Record::decode(Bytes::from(other_version)).is_err());
+    }
+}

@@ -1,0 +1,299 @@
+//! The in-process store.
+
+use std::{
+    collections::HashMap,
+    hash::BuildHasher,
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+
+use super::{Claim, Error, Fenced, Result, Store};
+use crate::{ClaimToken, Fingerprint, Record, Scope, StoredResponse};
+
+const SHARDS: usize = 16;
+/// A shard is swept for expired records when it has grown to twice its size after the last
+/// sweep (and at least this size): memory stays within twice the live records, and the
+/// sweeps cost O(1) amortized per claim.
+const MIN_SWEEP_LEN: usize = 1024;
+
+/// An in-process store: for development, tests and single-instance services.
+///
+/// Claims are atomic across every task and thread of the process (not across processes:
+/// use [`RedisStore`](crate::RedisStore) for that). Expired records are evicted as new keys
+/// arrive, so memory stays bounded by the live records; [`MemoryStore::max_records`] bounds
+/// those too. Cloning shares the records.
+///
+/// # Example
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new());
+/// ```
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shards: Vec<Mutex<Shard>>,
+    hasher: std::collections::hash_map::RandomState,
+    max_records_per_shard: usize,
+}
+
+struct Shard {
+    records: HashMap<String, Entry>,
+    sweep_at_len: usize,
+}
+
+struct Entry {
+    record: Record,
+    expires_at: Instant,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store with no bound but the records' TTLs.
+    pub fn new() -> Self {
+        Self::with_max_records(usize::MAX)
+    }
+
+    /// Caps the live records at about `max` (each of 16 shards holds `max / 16`). A claim
+    /// for a new key that finds its shard full of live records fails with a store error
+    /// (`503` by default): no record is ever dropped early, since that would let a retry
+    /// execute twice.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_idempotency::MemoryStore;
+    ///
+    /// let store = MemoryStore::new().max_records(1_000_000);
+    /// ```
+    pub fn max_records(self, max: usize) -> Self {
+        Self::with_max_records(max)
+    }
+
+    fn with_max_records(max: usize) -> Self {
+        let shards = (0..SHARDS)
+            .map(|_| {
+                Mutex::new(Shard {
+                    records: HashMap::new(),
+                    sweep_at_len: MIN_SWEEP_LEN,
+                })
+            })
+            .collect();
+        Self {
+            inner: Arc::new(Inner {
+                shards,
+                hasher: Default::default(),
+                max_records_per_shard: (max / SHARDS).max(1),
+            }),
+        }
+    }
+
+    /// How many records the store holds, expired ones not yet evicted included.
+    pub fn len(&self) -> usize {
+        self.inner
+            .shards
+            .iter()
+            .map(|s| lock(s).records.len())
+            .sum()
+    }
+
+    /// Whether the store holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, key: &str) -> MutexGuard<'_, Shard> {
+        let index = self.inner.hasher.hash_one(key) as usize % SHARDS;
+        lock(&self.inner.shards[index])
+    }
+
+    /// Runs `write` on the scope's in-progress record if `token` still holds it.
+    fn fenced(&self, scope: &Scope, token: ClaimToken, write: impl FnOnce(&mut Entry)) -> Fenced {
+        let key = scope.storage_key();
+        let mut shard = self.shard(&key);
+        match shard.records.get_mut(&key) {
+            Some(entry) if entry.is_held_by(token, Instant::now()) => {
+                write(entry);
+                Fenced::Applied
+            }
+            _ => Fenced::Lost,
+        }
+    }
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("records", &self.len())
+            .finish()
+    }
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic elsewhere cannot leave a shard half-written: every critical section is a
+    // single map operation. Keep serving rather than poison every later request.
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Entry {
+    fn is_held_by(&self, token: ClaimToken, now: Instant) -> bool {
+        matches!(&self.record, Record::InProgress { token: held, .. } if *held == token)
+            && self.expires_at > now
+    }
+}
+
+impl Shard {
+    fn sweep_if_due(&mut self, now: Instant) {
+        if self.records.len() < self.sweep_at_len {
+            return;
+        }
+        self.records.retain(|_, entry| entry.expires_at > now);
+        self.sweep_at_len = (self.records.len() * 2).max(MIN_SWEEP_LEN);
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn claim(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim> {
+        let now = Instant::now();
+        let key = scope.storage_key();
+        let mut shard = self.shard(&key);
+        if let Some(entry) = shard.records.get(&key).filter(|e| e.expires_at > now) {
+            return Ok(match &entry.record {
+                Record::InProgress { fingerprint, .. } => Claim::InProgress {
+                    fingerprint: *fingerprint,
+                    lease_remaining: entry.expires_at - now,
+                },
+                Record::Completed {
+                    fingerprint,
+                    response,
+                } => Claim::Completed {
+                    fingerprint: *fingerprint,
+                    response: response.clone(),
+                },
+            });
+        }
+        shard.sweep_if_due(now);
+        if shard.records.len() >= self.inner.max_records_per_shard
+            && !shard.records.contains_key(&key)
+        {
+            return Err(Error::Backend("memory store is full".into()));
+        }
+        let token = ClaimToken::random();
+        let record = Record::InProgress { fingerprint, token };
+        shard.records.insert(
+            key,
+            Entry {
+                record,
+                expires_at: now + lease,
+            },
+        );
+        Ok(Claim::Claimed(token))
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced> {
+        Ok(self.fenced(scope, token, |entry| {
+            entry.record = Record::Completed {
+                fingerprint,
+                response: response.clone(),
+            };
+            entry.expires_at = Instant::now() + ttl;
+        }))
+    }
+
+    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+        let key = scope.storage_key();
+        let mut shard = self.shard(&key);
+        match shard.records.get(&key) {
+            Some(entry) if entry.is_held_by(token, Instant::now()) => {
+                shard.records.remove(&key);
+                Ok(Fenced::Applied)
+            }
+            _ => Ok(Fenced::Lost),
+        }
+    }
+
+    async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
+        Ok(self.fenced(scope, token, |entry| {
+            entry.expires_at = Instant::now() + lease
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::IdempotencyKey;
+
+    fn scope(key: &str) -> Scope {
+        let key = IdempotencyKey::parse(&http::HeaderValue::from_str(key).unwrap()).unwrap();
+        Scope::new(None, "POST /".into(), key)
+    }
+
+    #[tokio::test]
+    async fn memory_stays_bounded_under_unique_keys() {
+        let store = MemoryStore::new();
+        let fingerprint = Fingerprint::from_bytes([0; 32]);
+        let lease = Duration::from_millis(1);
+        let mut peak = 0;
+        for i in 0..50_000 {
+            store
+                .claim(&scope(&format!("k{i}")), fingerprint, lease)
+                .await
+                .unwrap();
+            if i % 1000 == 0 {
+                peak = peak.max(store.len());
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        peak = peak.max(store.len());
+        // Every record expires within ~1000 claims: without eviction the store would hold
+        // 50,000. With it, each shard holds at most about 2 * MIN_SWEEP_LEN.
+        assert!(peak <= SHARDS * 2 * MIN_SWEEP_LEN, "peak {peak}");
+        assert!(store.len() < 50_000);
+    }
+
+    #[tokio::test]
+    async fn max_records_refuses_new_keys_but_keeps_old_ones() {
+        let store = MemoryStore::new().max_records(SHARDS);
+        let fingerprint = Fingerprint::from_bytes([0; 32]);
+        let lease = Duration::from_secs(60);
+        let mut refused = 0;
+        for i in 0..200 {
+            if store
+                .claim(&scope(&format!("k{i}")), fingerprint, lease)
+                .await
+                .is_err()
+            {
+                refused += 1;
+            }
+        }
+        assert!(store.len() <= SHARDS, "len {}", store.len());
+        assert_eq!(refused, 200 - store.len());
+    }
+}

@@ -1,0 +1,111 @@
+//! The store contract, and the stores that meet it.
+
+use std::{fmt::Debug, time::Duration};
+
+use async_trait::async_trait;
+
+use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
+
+#[cfg(feature = "memory")]
+mod memory;
+#[cfg(feature = "redis")]
+mod redis;
+
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use self::redis::{RedisStore, RedisStoreError};
+#[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
+pub use memory::MemoryStore;
+
+/// A store failure. The layer answers `503 idempotency_store_unavailable` when a claim
+/// fails this way (or executes unprotected in fail-open mode), and logs it after the
+/// handler ran.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The backend could not be reached or refused the operation.
+    #[error("idempotency store backend: {0}")]
+    Backend(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// A stored record could not be decoded.
+    #[error(transparent)]
+    Decode(#[from] crate::record::DecodeError),
+}
+
+/// What a store operation returns.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The outcome of [`Store::claim`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// The key was free and is now held by the caller, who must complete, release or
+    /// extend it with this token.
+    Claimed(ClaimToken),
+    /// Another request holds the key.
+    InProgress {
+        /// The holder's request fingerprint.
+        fingerprint: Fingerprint,
+        /// How long the holder's lease still runs.
+        lease_remaining: Duration,
+    },
+    /// The operation finished.
+    Completed {
+        /// The fingerprint of the request that ran.
+        fingerprint: Fingerprint,
+        /// What it answered.
+        response: StoredResponse,
+    },
+}
+
+/// Whether a fenced write found the caller's claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum Fenced {
+    /// The claim was still the caller's; the write happened.
+    Applied,
+    /// The claim was gone (its lease ran out, and maybe another request claimed the key):
+    /// nothing was written.
+    Lost,
+}
+
+/// Where idempotency records live. Every backend meets this contract; the layer relies on
+/// it for exactly-once execution.
+///
+/// - Each operation is **atomic** with respect to every other operation on the same scope,
+///   from any process sharing the backend.
+/// - An in-progress record lives only for its lease unless extended; a completed record for
+///   its TTL. An expired record is indistinguishable from none.
+/// - Writes after the claim are **fenced**: they apply only while the record is the
+///   in-progress record made by the claim that returned `token`.
+/// - Records are stored byte-exact: the response a claim returns equals the one completed.
+#[async_trait]
+pub trait Store: Debug + Send + Sync + 'static {
+    /// Atomically: if `scope` has no live record, store an in-progress record with
+    /// `fingerprint`, a fresh token and `lease`, and return [`Claim::Claimed`]; otherwise
+    /// return the live record unchanged.
+    async fn claim(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim>;
+
+    /// If `scope` holds the in-progress record made with `token`, replace it with the
+    /// completed `response` of the request with `fingerprint`, kept for `ttl`.
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced>;
+
+    /// If `scope` holds the in-progress record made with `token`, delete it: the next
+    /// request with the key executes.
+    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced>;
+
+    /// If `scope` holds the in-progress record made with `token`, renew its lease to
+    /// `lease` from now.
+    async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced>;
+}
