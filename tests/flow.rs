@@ -1,0 +1,939 @@
+//! The request flow of DESIGN.md, run unchanged against every store.
+
+mod support;
+
+use std::{
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use axum::{
+    body::Body,
+    extract::{Request, State},
+    http::{header, HeaderMap, HeaderValue, StatusCode},
+    response::{IntoResponse, Response},
+    routing, Router,
+};
+use bytes::Bytes;
+use futures_util::{stream::FuturesUnordered, StreamExt};
+use http_body_util::BodyExt;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_idempotency::{
+    store::Claim, store::Fenced, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore,
+    Principal, Scope, Store, StoredResponse,
+};
+
+/// Runs every case once per store: in memory and on the shared Redis (own key prefix).
+macro_rules! for_each_store {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(std::sync::Arc::new(super::MemoryStore::new())).await
+            })*
+        }
+        mod redis {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(super::support::shared_redis_store(stringify!($case)).await).await
+            })*
+        }
+    };
+}
+
+for_each_store!(
+    first_execution_then_byte_exact_replay,
+    binary_body_replays_byte_exact,
+    quoted_and_bare_keys_name_one_record,
+    invalid_keys_are_rejected_before_anything_runs,
+    missing_key_on_required_and_optional_routes,
+    only_configured_methods_are_handled,
+    oversized_request_body_claims_nothing,
+    key_reused_with_other_parameters_conflicts,
+    in_progress_conflict_says_when_to_retry,
+    concurrent_duplicates_execute_once,
+    panicking_handler_releases_the_key,
+    server_errors_release_and_client_errors_are_recorded,
+    inner_service_error_releases_the_key,
+    completed_records_expire_after_their_ttl,
+    lease_is_renewed_while_the_handler_runs,
+    crashed_holder_frees_the_key_after_its_lease,
+    stale_holder_cannot_touch_the_new_claim,
+    scope_parts_never_splice,
+    principals_are_isolated_by_default,
+    principal_extension_from_an_auth_layer,
+    endpoints_scope_keys,
+    matched_path_names_the_endpoint,
+    oversized_response_is_streamed_and_never_executed_twice,
+    hop_by_hop_headers_and_date_are_not_replayed,
+    per_route_layers_are_configured_independently,
+    plain_service_fn_is_protected,
+    fingerprint_headers_are_part_of_the_parameters,
+);
+
+// ---------------------------------------------------------------------------------------
+// The application under test: one handler whose behaviour the request's headers choose.
+
+#[derive(Clone)]
+struct Handler {
+    executions: Arc<AtomicUsize>,
+    /// Requests with `x-wait` wait here for a permit the test hands out.
+    gate: Arc<Semaphore>,
+}
+
+impl Default for Handler {
+    fn default() -> Self {
+        Self {
+            executions: Arc::default(),
+            gate: Arc::new(Semaphore::new(0)),
+        }
+    }
+}
+
+impl Handler {
+    fn executions(&self) -> usize {
+        self.executions.load(Ordering::SeqCst)
+    }
+}
+
+async fn handle(State(handler): State<Handler>, request: Request) -> Response {
+    let n = handler.executions.fetch_add(1, Ordering::SeqCst) + 1;
+    let headers = request.headers().clone();
+    let flag = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    if let Some(ms) = flag("x-sleep-ms") {
+        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+    }
+    if flag("x-wait").is_some() {
+        handler.gate.acquire().await.unwrap().forget();
+    }
+    if flag("x-panic").is_some() {
+        panic!("handler panicked on purpose");
+    }
+    let status = flag("x-status").map_or(StatusCode::CREATED, |s| s.parse().unwrap());
+    if let Some(len) = flag("x-body-len") {
+        return (status, vec![b'x'; len.parse().unwrap()]).into_response();
+    }
+    if flag("x-binary").is_some() {
+        let bytes: [u8; 64] = rand::random();
+        return (status, bytes.to_vec()).into_response();
+    }
+    let body = request.into_body().collect().await.unwrap().to_bytes();
+    let mut response = (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        format!(
+            r#"{{"execution":{n},"echo":{:?}}}"#,
+            String::from_utf8_lossy(&body)
+        ),
+    )
+        .into_response();
+    let out = response.headers_mut();
+    out.append(header::SET_COOKIE, HeaderValue::from_static("a=1"));
+    out.append(header::SET_COOKIE, HeaderValue::from_static("b=2"));
+    response
+}
+
+fn router(handler: &Handler, layer: IdempotencyLayer) -> Router {
+    Router::new()
+        .route("/pay", routing::post(handle).get(handle).put(handle))
+        .route("/other", routing::post(handle))
+        .layer(layer)
+        .with_state(handler.clone())
+}
+
+fn layer(store: &Arc<dyn Store>) -> IdempotencyLayer {
+    IdempotencyLayer::from_shared(store.clone())
+}
+
+/// A request under construction: `post("/pay").key("k").body("{}")`.
+struct Req(axum::http::request::Builder, Body);
+
+fn post(path: &str) -> Req {
+    Req(Request::post(path), Body::empty())
+}
+
+impl Req {
+    fn key(self, key: &str) -> Self {
+        self.header("idempotency-key", key)
+    }
+    fn header(self, name: &str, value: &str) -> Self {
+        Req(self.0.header(name, value), self.1)
+    }
+    fn method(self, method: &str) -> Self {
+        Req(self.0.method(method), self.1)
+    }
+    fn body(self, body: impl Into<Body>) -> Self {
+        Req(self.0, body.into())
+    }
+    fn build(self) -> Request {
+        self.0.body(self.1).unwrap()
+    }
+}
+
+/// A response read whole.
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+    fn error(&self) -> String {
+        self.json()["error"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+async fn send(app: &Router, req: Req) -> Answer {
+    read(app.clone().oneshot(req.build()).await.unwrap()).await
+}
+
+async fn read<B>(response: Response<B>) -> Answer
+where
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+fn scope(key: &str) -> Scope {
+    let key = IdempotencyKey::parse(&HeaderValue::from_str(key).unwrap()).unwrap();
+    Scope::new(None, "POST /pay".to_owned(), key)
+}
+
+// ---------------------------------------------------------------------------------------
+// Cases.
+
+async fn first_execution_then_byte_exact_replay(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    let first = send(&app, post("/pay").key("k1").body("amount=100")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    for _ in 0..3 {
+        let retry = send(&app, post("/pay").key("k1").body("amount=100")).await;
+        assert!(retry.replayed());
+        assert_eq!(retry.status, first.status);
+        assert_eq!(retry.body, first.body);
+        let mut headers = retry.headers.clone();
+        headers.remove("idempotent-replayed");
+        assert_eq!(headers, first.headers);
+    }
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn binary_body_replays_byte_exact(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    let first = send(&app, post("/pay").key("bin").header("x-binary", "1")).await;
+    assert_eq!(first.body.len(), 64);
+    assert!(std::str::from_utf8(&first.body).is_err() || first.body.iter().any(|b| *b > 0x7f));
+    let retry = send(&app, post("/pay").key("bin").header("x-binary", "1")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn quoted_and_bare_keys_name_one_record(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    send(&app, post("/pay").key("8e03978e-40d5")).await;
+    let quoted = send(&app, post("/pay").key("\"8e03978e-40d5\"")).await;
+    assert!(quoted.replayed());
+    send(&app, post("/pay").key(r#""a \"quoted\" key""#)).await;
+    assert_eq!(handler.executions(), 2);
+}
+
+async fn invalid_keys_are_rejected_before_anything_runs(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).required());
+    let too_long = "k".repeat(256);
+    let bad: [&[u8]; 9] = [
+        b"",
+        b"\"\"",
+        too_long.as_bytes(),
+        "caf\u{e9}".as_bytes(),
+        b"tab\there",
+        b"two words",
+        b"\"unterminated",
+        b"stray\"quote",
+        b"\"bad \\escape\"",
+    ];
+    for value in bad {
+        let mut request = post("/pay").build();
+        let value = HeaderValue::from_bytes(value).unwrap();
+        request
+            .headers_mut()
+            .insert("idempotency-key", value.clone());
+        let answer = read(app.clone().oneshot(request).await.unwrap()).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{value:?}");
+        assert_eq!(
+            answer.json(),
+            serde_json::json!({"error": "invalid_idempotency_key"})
+        );
+    }
+    let twice = post("/pay").key("a").key("a");
+    let answer = send(&app, twice).await;
+    assert_eq!(
+        (answer.status, answer.error().as_str()),
+        (StatusCode::BAD_REQUEST, "invalid_idempotency_key")
+    );
+    assert_eq!(handler.executions(), 0);
+}
+
+async fn missing_key_on_required_and_optional_routes(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let required = router(&handler, layer(&store).required());
+    let answer = send(&required, post("/pay")).await;
+    assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        answer.json(),
+        serde_json::json!({"error": "idempotency_key_required"})
+    );
+    assert_eq!(handler.executions(), 0);
+
+    let optional = router(&handler, layer(&store));
+    for _ in 0..2 {
+        let answer = send(&optional, post("/pay")).await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert!(!answer.replayed());
+    }
+    assert_eq!(handler.executions(), 2);
+}
+
+async fn only_configured_methods_are_handled(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let default = router(&handler, layer(&store).required());
+    for method in ["GET", "PUT"] {
+        for _ in 0..2 {
+            let answer = send(&default, post("/pay").method(method).key("m")).await;
+            assert_eq!(answer.status, StatusCode::CREATED);
+            assert!(!answer.replayed());
+        }
+    }
+    assert_eq!(handler.executions(), 4);
+    let put = router(&handler, layer(&store).methods([http::Method::PUT]));
+    send(&put, post("/pay").method("PUT").key("m")).await;
+    assert!(send(&put, post("/pay").method("PUT").key("m"))
+        .await
+        .replayed());
+    assert_eq!(handler.executions(), 5);
+}
+
+async fn oversized_request_body_claims_nothing(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).max_request_body(16));
+    let declared = send(&app, post("/pay").key("big").body("x".repeat(17))).await;
+    assert_eq!(declared.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(
+        declared.json(),
+        serde_json::json!({"error": "request_body_too_large", "limit": 16})
+    );
+    // Without a Content-Length the limit is enforced while reading.
+    let chunks = futures_util::stream::iter(
+        ["x".repeat(10), "x".repeat(10)].map(|chunk| Ok::<_, std::io::Error>(Bytes::from(chunk))),
+    );
+    let streamed = send(
+        &app,
+        post("/pay").key("big").body(Body::from_stream(chunks)),
+    )
+    .await;
+    assert_eq!(streamed.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(handler.executions(), 0);
+    let small = send(&app, post("/pay").key("big").body("x".repeat(16))).await;
+    assert_eq!(
+        (small.status, small.replayed()),
+        (StatusCode::CREATED, false)
+    );
+}
+
+async fn key_reused_with_other_parameters_conflicts(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    send(&app, post("/pay").key("r").body("amount=1")).await;
+    for other in [
+        post("/pay").key("r").body("amount=2"),
+        post("/pay?q=1").key("r").body("amount=1"),
+    ] {
+        let answer = send(&app, other).await;
+        assert_eq!(answer.status, StatusCode::CONFLICT);
+        assert_eq!(
+            answer.json(),
+            serde_json::json!({"error": "idempotency_key_reused_with_different_params"})
+        );
+    }
+    // Mismatch is reported first even while the key is in progress: retrying cannot fix it.
+    let slow = tokio::spawn({
+        let app = app.clone();
+        async move {
+            send(
+                &app,
+                post("/pay").key("r2").header("x-sleep-ms", "500").body("a"),
+            )
+            .await
+        }
+    });
+    until_executing(&handler, 2).await;
+    let answer = send(
+        &app,
+        post("/pay").key("r2").header("x-sleep-ms", "500").body("b"),
+    )
+    .await;
+    assert_eq!(
+        answer.error(),
+        "idempotency_key_reused_with_different_params"
+    );
+    assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(handler.executions(), 2);
+}
+
+async fn in_progress_conflict_says_when_to_retry(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).lease(Duration::from_secs(20)));
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post("/pay").key("p").header("x-wait", "1")).await }
+    });
+    until_executing(&handler, 1).await;
+    let answer = send(&app, post_waiting("p")).await;
+    assert_eq!(answer.error(), "request_in_progress");
+    let retry_after: u64 = answer.headers[header::RETRY_AFTER]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=20).contains(&retry_after), "{retry_after}");
+    assert_eq!(answer.json()["retry_after"], retry_after);
+    handler.gate.add_permits(1);
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert!(send(&app, post_waiting("p")).await.replayed());
+    assert_eq!(handler.executions(), 1);
+}
+
+fn post_waiting(key: &str) -> Req {
+    post("/pay").key(key).header("x-wait", "1")
+}
+
+/// Waits (bounded) until the handler has started `n` executions.
+async fn until_executing(handler: &Handler, n: usize) {
+    for _ in 0..500 {
+        if handler.executions() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the handler never reached {n} executions");
+}
+
+async fn concurrent_duplicates_execute_once(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    let mut requests: FuturesUnordered<_> = (0..32)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, post_waiting("same").body("amount=1")).await })
+        })
+        .collect();
+    // The one execution holds the key until the other 31 have their answer.
+    for _ in 0..31 {
+        let answer = requests.next().await.unwrap().unwrap();
+        assert_eq!(answer.status, StatusCode::CONFLICT, "{answer:?}");
+        assert_eq!(answer.error(), "request_in_progress");
+    }
+    handler.gate.add_permits(1);
+    let executed = requests.next().await.unwrap().unwrap();
+    assert_eq!(
+        (executed.status, executed.replayed()),
+        (StatusCode::CREATED, false)
+    );
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn panicking_handler_releases_the_key(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    // Without CatchPanicLayer the panic reaches the caller, as it would without the layer.
+    let bare = router(&handler, layer(&store));
+    let outcome = tokio::spawn({
+        let bare = bare.clone();
+        async move { send(&bare, post("/pay").key("boom").header("x-panic", "1")).await }
+    })
+    .await;
+    assert!(outcome.unwrap_err().is_panic());
+    // Other keys are unaffected, and the panicked key executes again.
+    assert_eq!(
+        send(&bare, post("/pay").key("calm")).await.status,
+        StatusCode::CREATED
+    );
+    let retry = send(&bare, post("/pay").key("boom")).await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, false)
+    );
+
+    // CatchPanicLayer outside the idempotency layer turns the panic into a 500.
+    let outside = router(&handler, layer(&store)).layer(CatchPanicLayer::new());
+    let answer = send(&outside, post("/pay").key("boom2").header("x-panic", "1")).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(!send(&outside, post("/pay").key("boom2")).await.replayed());
+
+    // Inside it, the 500 releases like any 5xx.
+    let inside = Router::new()
+        .route("/pay", routing::post(handle).layer(CatchPanicLayer::new()))
+        .layer(layer(&store))
+        .with_state(handler.clone());
+    let answer = send(&inside, post("/pay").key("boom3").header("x-panic", "1")).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(!send(&inside, post("/pay").key("boom3")).await.replayed());
+    assert_eq!(handler.executions(), 7);
+}
+
+async fn server_errors_release_and_client_errors_are_recorded(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    let failed = send(&app, post("/pay").key("e").header("x-status", "503")).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    let retry = send(&app, post("/pay").key("e").header("x-status", "503")).await;
+    assert!(!retry.replayed());
+    assert_eq!(handler.executions(), 2);
+
+    let declined = send(&app, post("/pay").key("d").header("x-status", "402")).await;
+    let retry = send(&app, post("/pay").key("d").header("x-status", "402")).await;
+    assert!(retry.replayed());
+    assert_eq!(
+        (retry.status, retry.body),
+        (StatusCode::PAYMENT_REQUIRED, declined.body)
+    );
+    assert_eq!(handler.executions(), 3);
+
+    let custom = router(
+        &handler,
+        layer(&store).release_on(|s| s == StatusCode::TOO_MANY_REQUESTS),
+    );
+    send(&custom, post("/pay").key("c").header("x-status", "429")).await;
+    assert!(
+        !send(&custom, post("/pay").key("c").header("x-status", "429"))
+            .await
+            .replayed()
+    );
+    send(&custom, post("/pay").key("c5").header("x-status", "500")).await;
+    assert!(
+        send(&custom, post("/pay").key("c5").header("x-status", "500"))
+            .await
+            .replayed()
+    );
+}
+
+async fn inner_service_error_releases_the_key(store: Arc<dyn Store>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let service = tower::service_fn({
+        let calls = calls.clone();
+        move |_req: Request<http_body_util::Full<Bytes>>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    Err("the inner service failed")
+                } else {
+                    Ok(Response::new(http_body_util::Full::new(Bytes::from("ok"))))
+                }
+            }
+        }
+    });
+    let service = tower::ServiceBuilder::new()
+        .layer(layer(&store))
+        .service(service);
+    let request = || {
+        Request::post("/x")
+            .header("idempotency-key", "ie")
+            .body(http_body_util::Full::default())
+            .unwrap()
+    };
+    assert_eq!(
+        service.clone().oneshot(request()).await.unwrap_err(),
+        "the inner service failed"
+    );
+    let retry = read(service.clone().oneshot(request()).await.unwrap()).await;
+    assert_eq!((retry.status, retry.replayed()), (StatusCode::OK, false));
+    assert!(read(service.oneshot(request()).await.unwrap())
+        .await
+        .replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+async fn completed_records_expire_after_their_ttl(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).ttl(Duration::from_millis(300)));
+    send(&app, post("/pay").key("t")).await;
+    assert!(send(&app, post("/pay").key("t")).await.replayed());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!send(&app, post("/pay").key("t")).await.replayed());
+    assert_eq!(handler.executions(), 2);
+}
+
+async fn lease_is_renewed_while_the_handler_runs(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).lease(Duration::from_millis(300)));
+    let slow = || post("/pay").key("l").header("x-sleep-ms", "1000");
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post("/pay").key("l").header("x-sleep-ms", "1000")).await }
+    });
+    // Well past the first lease, and past twice it: still held.
+    for (wait, at) in [(500, 500), (300, 800)] {
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        let answer = send(&app, slow()).await;
+        assert_eq!(answer.error(), "request_in_progress", "at {at} ms");
+    }
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert!(send(&app, slow()).await.replayed());
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn crashed_holder_frees_the_key_after_its_lease(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).unscoped());
+    // A process claimed the key, then died: nothing renews or releases its claim.
+    let request = post("/pay").key("crash").body("b").build();
+    let (parts, _) = request.into_parts();
+    let fingerprint = Fingerprint::of(&parts, &[], b"b");
+    let claim = store
+        .claim(&scope("crash"), fingerprint, Duration::from_millis(400))
+        .await
+        .unwrap();
+    assert!(matches!(claim, Claim::Claimed(_)));
+    let answer = send(&app, post("/pay").key("crash").body("b")).await;
+    assert_eq!(answer.error(), "request_in_progress");
+    assert_eq!(handler.executions(), 0);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let answer = send(&app, post("/pay").key("crash").body("b")).await;
+    assert_eq!(
+        (answer.status, answer.replayed()),
+        (StatusCode::CREATED, false)
+    );
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn stale_holder_cannot_touch_the_new_claim(store: Arc<dyn Store>) {
+    let scope = scope("stale");
+    let fingerprint = Fingerprint::from_bytes([9; 32]);
+    let Claim::Claimed(stale) = store
+        .claim(&scope, fingerprint, Duration::from_millis(100))
+        .await
+        .unwrap()
+    else {
+        panic!("first claim")
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let Claim::Claimed(fresh) = store
+        .claim(&scope, fingerprint, Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!("the lease ran out: the key is free")
+    };
+    let response = StoredResponse {
+        status: StatusCode::OK,
+        headers: HeaderMap::new(),
+        body: Bytes::from_static(b"stale"),
+    };
+    let ttl = Duration::from_secs(60);
+    assert_eq!(
+        store
+            .complete(&scope, stale, fingerprint, &response, ttl)
+            .await
+            .unwrap(),
+        Fenced::Lost
+    );
+    assert_eq!(store.release(&scope, stale).await.unwrap(), Fenced::Lost);
+    assert_eq!(
+        store.extend(&scope, stale, ttl).await.unwrap(),
+        Fenced::Lost
+    );
+    assert!(matches!(
+        store.claim(&scope, fingerprint, ttl).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+    assert_eq!(
+        store.extend(&scope, fresh, ttl).await.unwrap(),
+        Fenced::Applied
+    );
+    let fresh_response = StoredResponse {
+        body: Bytes::from_static(b"fresh"),
+        ..response
+    };
+    assert_eq!(
+        store
+            .complete(&scope, fresh, fingerprint, &fresh_response, ttl)
+            .await
+            .unwrap(),
+        Fenced::Applied
+    );
+    match store.claim(&scope, fingerprint, ttl).await.unwrap() {
+        Claim::Completed { response, .. } => assert_eq!(response, fresh_response),
+        other => panic!("expected the fresh holder's record, got {other:?}"),
+    }
+    assert_eq!(
+        store.release(&scope, fresh).await.unwrap(),
+        Fenced::Lost,
+        "completed is not releasable"
+    );
+}
+
+async fn scope_parts_never_splice(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let by_user = |parts: &http::request::Parts| {
+        parts
+            .headers
+            .get("x-user")
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    let app = Router::new()
+        .route("/v1/payments", routing::post(handle))
+        .layer(layer(&store).principal(by_user))
+        .with_state(handler.clone());
+    let a = send(
+        &app,
+        post("/v1/payments")
+            .key("x:/v1/payments:k")
+            .header("x-user", "alice"),
+    )
+    .await;
+    let b = send(
+        &app,
+        post("/v1/payments")
+            .key("k")
+            .header("x-user", "alice:/v1/payments:x"),
+    )
+    .await;
+    assert!(!a.replayed() && !b.replayed());
+    assert_eq!(handler.executions(), 2);
+}
+
+async fn principals_are_isolated_by_default(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    let as_user = |user: &str| {
+        post("/pay")
+            .key("shared")
+            .header("authorization", &format!("Bearer {user}"))
+    };
+    assert!(!send(&app, as_user("alice")).await.replayed());
+    assert!(!send(&app, as_user("bob")).await.replayed());
+    assert!(!send(&app, post("/pay").key("shared")).await.replayed());
+    assert!(send(&app, as_user("alice")).await.replayed());
+    assert_eq!(handler.executions(), 3);
+}
+
+async fn principal_extension_from_an_auth_layer(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store)).layer(axum::middleware::map_request(
+        |mut request: Request| async move {
+            let user = request
+                .headers()
+                .get("x-session")
+                .map(|v| v.to_str().unwrap().to_owned());
+            if let Some(user) = user {
+                request.extensions_mut().insert(Principal::new(user));
+            }
+            request
+        },
+    ));
+    let as_session = |s: &str| post("/pay").key("ext").header("x-session", s);
+    assert!(!send(&app, as_session("u1")).await.replayed());
+    assert!(!send(&app, as_session("u2")).await.replayed());
+    assert!(send(&app, as_session("u1")).await.replayed());
+    assert_eq!(handler.executions(), 2);
+}
+
+async fn endpoints_scope_keys(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    assert!(!send(&app, post("/pay").key("ep")).await.replayed());
+    assert!(!send(&app, post("/other").key("ep")).await.replayed());
+    assert_eq!(handler.executions(), 2);
+    let named = router(&handler, layer(&store).endpoint_name("one-endpoint"));
+    send(&named, post("/pay").key("ep2")).await;
+    // Same endpoint name, other path: the fingerprint (which includes the path) differs.
+    let answer = send(&named, post("/other").key("ep2")).await;
+    assert_eq!(
+        answer.error(),
+        "idempotency_key_reused_with_different_params"
+    );
+}
+
+async fn matched_path_names_the_endpoint(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = Router::new()
+        .route("/orders/{id}/capture", routing::post(handle))
+        .route_layer(layer(&store).endpoint_from_matched_path())
+        .with_state(handler.clone());
+    send(&app, post("/orders/1/capture").key("mp")).await;
+    let answer = send(&app, post("/orders/2/capture").key("mp")).await;
+    assert_eq!(
+        answer.error(),
+        "idempotency_key_reused_with_different_params"
+    );
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn oversized_response_is_streamed_and_never_executed_twice(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).max_response_body(1024));
+    let big = || post("/pay").key("huge").header("x-body-len", "10000");
+    let first = send(&app, big()).await;
+    assert_eq!(
+        (first.status, first.body.len()),
+        (StatusCode::CREATED, 10_000)
+    );
+    let retry = send(&app, big()).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(
+        retry.json(),
+        serde_json::json!({"error": "response_not_replayable", "status": 201})
+    );
+    assert_eq!(handler.executions(), 1);
+    // At the limit exactly, the response is recorded.
+    send(&app, post("/pay").key("fits").header("x-body-len", "1024")).await;
+    let retry = send(&app, post("/pay").key("fits").header("x-body-len", "1024")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body.len(), 1024);
+}
+
+async fn hop_by_hop_headers_and_date_are_not_replayed(store: Arc<dyn Store>) {
+    let service = tower::service_fn(|_req: Request<http_body_util::Full<Bytes>>| async {
+        let response = Response::builder()
+            .status(StatusCode::CREATED)
+            .header("date", "Wed, 02 Dec 2026 00:00:00 GMT")
+            .header("connection", "x-conn-scoped")
+            .header("x-conn-scoped", "1")
+            .header("keep-alive", "timeout=5")
+            .header("x-kept", "yes")
+            .body(http_body_util::Full::new(Bytes::from_static(b"ok")))
+            .unwrap();
+        Ok::<_, std::convert::Infallible>(response)
+    });
+    let service = tower::ServiceBuilder::new()
+        .layer(layer(&store))
+        .service(service);
+    let request = || {
+        Request::post("/h")
+            .header("idempotency-key", "hop")
+            .body(Default::default())
+            .unwrap()
+    };
+    let first = read(service.clone().oneshot(request()).await.unwrap()).await;
+    assert_eq!(first.headers["date"], "Wed, 02 Dec 2026 00:00:00 GMT");
+    let retry = read(service.oneshot(request()).await.unwrap()).await;
+    let names: Vec<&str> = retry.headers.keys().map(|n| n.as_str()).collect();
+    assert_eq!(names, ["x-kept", "idempotent-replayed"]);
+}
+
+async fn per_route_layers_are_configured_independently(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = Router::new()
+        .route(
+            "/strict",
+            routing::post(handle).layer(layer(&store).required().ttl(Duration::from_millis(300))),
+        )
+        .route(
+            "/loose",
+            routing::post(handle)
+                .put(handle)
+                .layer(layer(&store).methods([http::Method::PUT])),
+        )
+        .with_state(handler.clone());
+    assert_eq!(
+        send(&app, post("/strict")).await.error(),
+        "idempotency_key_required"
+    );
+    assert_eq!(send(&app, post("/loose")).await.status, StatusCode::CREATED);
+    // /loose handles PUT only: a keyed POST passes through every time.
+    assert!(!send(&app, post("/loose").key("r")).await.replayed());
+    assert!(!send(&app, post("/loose").key("r")).await.replayed());
+    send(&app, post("/loose").method("PUT").key("r")).await;
+    send(&app, post("/strict").key("r")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // /strict's records expire after 300 ms, /loose keeps its own for 24 h.
+    assert!(!send(&app, post("/strict").key("r")).await.replayed());
+    assert!(send(&app, post("/loose").method("PUT").key("r"))
+        .await
+        .replayed());
+    assert_eq!(handler.executions(), 6);
+}
+
+async fn plain_service_fn_is_protected(store: Arc<dyn Store>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let service = tower::service_fn({
+        let calls = calls.clone();
+        move |request: Request<http_body_util::Full<Bytes>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let body = request.into_body().collect().await.unwrap().to_bytes();
+                Ok::<_, std::convert::Infallible>(Response::new(http_body_util::Full::new(body)))
+            }
+        }
+    });
+    let service = tower::ServiceBuilder::new()
+        .layer(layer(&store).required())
+        .service(service);
+    let request = |body: &'static str| {
+        Request::post("/x")
+            .header("idempotency-key", "fn")
+            .body(http_body_util::Full::from(body))
+            .unwrap()
+    };
+    let first = read(service.clone().oneshot(request("echo me")).await.unwrap()).await;
+    assert_eq!(first.body, "echo me");
+    let retry = read(service.clone().oneshot(request("echo me")).await.unwrap()).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, "echo me");
+    let other = read(service.oneshot(request("other")).await.unwrap()).await;
+    assert_eq!(other.status, StatusCode::CONFLICT);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+async fn fingerprint_headers_are_part_of_the_parameters(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let account = http::HeaderName::from_static("x-account");
+    let app = router(&handler, layer(&store).fingerprint_header(account));
+    send(&app, post("/pay").key("fh").header("x-account", "a")).await;
+    assert!(send(&app, post("/pay").key("fh").header("x-account", "a"))
+        .await
+        .replayed());
+    let other = send(&app, post("/pay").key("fh").header("x-account", "b")).await;
+    assert_eq!(
+        other.error(),
+        "idempotency_key_reused_with_different_params"
+    );
+    // Without the option the header is not a parameter.
+    let plain = router(&handler, layer(&store));
+    send(&plain, post("/pay").key("fh2").header("x-account", "a")).await;
+    assert!(
+        send(&plain, post("/pay").key("fh2").header("x-account", "b"))
+            .await
+            .replayed()
+    );
+}
