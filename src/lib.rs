@@ -56,6 +56,10 @@ pub mod store;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use ::redis;
 pub use body::ResponseBody;
+/// The PostgreSQL pool the store is built on, so applications use a matching version.
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use deadpool_postgres;
 pub use fingerprint::Fingerprint;
 pub use future::ResponseFuture;
 pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
@@ -68,6 +72,9 @@ pub use service::Idempotency;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use store::MemoryStore;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use store::PostgresStore;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisStore;

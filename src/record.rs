@@ -115,11 +115,7 @@ impl Record {
                 out.put_u8(COMPLETED);
                 out.put_slice(fingerprint.as_bytes());
                 out.put_u16(response.status.as_u16());
-                out.put_u32(response.headers.len() as u32);
-                for (name, value) in &response.headers {
-                    put_bytes(&mut out, name.as_str().as_bytes());
-                    put_bytes(&mut out, value.as_bytes());
-                }
+                put_headers(&mut out, &response.headers);
                 out.put_slice(&response.body);
                 out.freeze()
             }
@@ -144,20 +140,7 @@ impl Record {
             COMPLETED => {
                 let status = StatusCode::from_u16(u16::from_be_bytes(take_array(&mut bytes)?))
                     .map_err(|_| DecodeError("invalid status"))?;
-                let count = u32::from_be_bytes(take_array(&mut bytes)?) as usize;
-                // Each header takes at least 8 bytes: a count larger than that is corrupt,
-                // and must not size an allocation.
-                if count > bytes.len() / 8 {
-                    return Err(DecodeError("header count exceeds record"));
-                }
-                let mut headers = HeaderMap::with_capacity(count);
-                for _ in 0..count {
-                    let name = HeaderName::from_bytes(&take_bytes(&mut bytes)?)
-                        .map_err(|_| DecodeError("invalid header name"))?;
-                    let value = HeaderValue::from_maybe_shared(take_bytes(&mut bytes)?)
-                        .map_err(|_| DecodeError("invalid header value"))?;
-                    headers.append(name, value);
-                }
+                let headers = take_headers(&mut bytes)?;
                 let response = StoredResponse {
                     status,
                     headers,
@@ -171,6 +154,35 @@ impl Record {
             _ => Err(DecodeError("unknown record kind")),
         }
     }
+}
+
+/// Writes `header count u32, (name len u32, name, value len u32, value)*`, keeping order
+/// and repeated headers.
+pub(crate) fn put_headers(out: &mut BytesMut, headers: &HeaderMap) {
+    out.put_u32(headers.len() as u32);
+    for (name, value) in headers {
+        put_bytes(out, name.as_str().as_bytes());
+        put_bytes(out, value.as_bytes());
+    }
+}
+
+/// Reads what [`put_headers`] wrote.
+pub(crate) fn take_headers(bytes: &mut Bytes) -> Result<HeaderMap, DecodeError> {
+    let count = u32::from_be_bytes(take_array(bytes)?) as usize;
+    // Each header takes at least 8 bytes: a count larger than that is corrupt, and must
+    // not size an allocation.
+    if count > bytes.len() / 8 {
+        return Err(DecodeError("header count exceeds record"));
+    }
+    let mut headers = HeaderMap::with_capacity(count);
+    for _ in 0..count {
+        let name = HeaderName::from_bytes(&take_bytes(bytes)?)
+            .map_err(|_| DecodeError("invalid header name"))?;
+        let value = HeaderValue::from_maybe_shared(take_bytes(bytes)?)
+            .map_err(|_| DecodeError("invalid header value"))?;
+        headers.append(name, value);
+    }
+    Ok(headers)
 }
 
 fn put_bytes(out: &mut BytesMut, bytes: &[u8]) {

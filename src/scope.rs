@@ -92,7 +92,7 @@ mod tests {
     }
 
     #[test]
-    fn anonymous_differs_from_every_named_principal() {
+    fn anonymous_differs_from_every_named_principal_and_equals_empty() {
         let anonymous = scope(None, "e", "k");
         assert_ne!(
             anonymous.storage_key(),

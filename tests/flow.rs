@@ -28,7 +28,8 @@ use tower_idempotency::{
     Principal, Scope, Store, StoredResponse,
 };
 
-/// Runs every case once per store: in memory and on the shared Redis (own key prefix).
+/// Runs every case once per store: in memory, on the shared Redis (own key prefix) and on
+/// the shared PostgreSQL (own table).
 macro_rules! for_each_store {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -41,6 +42,12 @@ macro_rules! for_each_store {
             $(#[tokio::test]
             async fn $case() {
                 super::$case(super::support::shared_redis_store(stringify!($case)).await).await
+            })*
+        }
+        mod postgres {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(super::support::shared_postgres_store().await).await
             })*
         }
     };

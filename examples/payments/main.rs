@@ -3,6 +3,7 @@
 //! ```sh
 //! cargo run --example payments                                  # in-memory store
 //! REDIS_URL=redis://127.0.0.1:6379/ cargo run --example payments # Redis
+//! DATABASE_URL=postgres://localhost/app cargo run --example payments --features postgres
 //! ```
 //!
 //! Environment: `PAYMENTS_ADDR` (default `127.0.0.1:3000`), `REDIS_URL`, `DATABASE_URL`,
@@ -54,8 +55,16 @@ async fn store() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             format!("REDIS_URL={url} is set, but this build has no `redis` feature").into(),
         );
     }
-    if std::env::var_os("DATABASE_URL").is_some() {
-        tracing::warn!("DATABASE_URL is set, but this build has no PostgreSQL store: using memory");
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        #[cfg(feature = "postgres")]
+        {
+            let store = tower_idempotency::PostgresStore::connect(&url).await?;
+            store.migrate().await?;
+            store.spawn_purge(Duration::from_secs(3600));
+            return Ok(Arc::new(store));
+        }
+        #[cfg(not(feature = "postgres"))]
+        tracing::warn!(%url, "DATABASE_URL is set, but this build has no `postgres` feature: using memory");
     }
     Ok(Arc::new(MemoryStore::new()))
 }

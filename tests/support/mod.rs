@@ -29,3 +29,54 @@ pub async fn redis_store(test: &str) -> RedisStore {
 pub async fn shared_redis_store(test: &str) -> Arc<dyn Store> {
     Arc::new(redis_store(test).await)
 }
+
+/// The shared PostgreSQL the suite runs against: `DATABASE_URL`, else the local default.
+#[cfg(feature = "postgres")]
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// The schema holding every test table; the test script drops it before a run.
+#[cfg(feature = "postgres")]
+pub const TEST_SCHEMA: &str = "idempotency_tests";
+
+/// A PostgreSQL store on a table of its own, migrated.
+#[cfg(feature = "postgres")]
+pub async fn postgres_store() -> tower_idempotency::PostgresStore {
+    let url = database_url();
+    let store = tower_idempotency::PostgresStore::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL at {url} (set DATABASE_URL): {e}"));
+    let client = store_client(&url).await;
+    // Parallel tests race to create the schema: one wins, the others see it exist.
+    for _ in 0..5 {
+        let created = client
+            .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {TEST_SCHEMA}"))
+            .await;
+        if created.is_ok() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let table = format!("t_{:016x}", rand::random::<u64>());
+    let store = store.table(TEST_SCHEMA, &table).expect("valid table name");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+/// A plain client, for tests that look at the table itself.
+#[cfg(feature = "postgres")]
+pub async fn store_client(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL at {url}: {e}"));
+    tokio::spawn(connection);
+    client
+}
+
+/// The same store behind the trait object the layer shares.
+#[cfg(feature = "postgres")]
+pub async fn shared_postgres_store() -> Arc<dyn Store> {
+    Arc::new(postgres_store().await)
+}

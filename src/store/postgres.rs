@@ -1,0 +1,514 @@
+//! The PostgreSQL store: a durable record of every deduplicated operation.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use deadpool_postgres::{Manager, Pool, Runtime};
+use http::StatusCode;
+use tokio::task::JoinHandle;
+use tokio_postgres::{types::ToSql, NoTls, Row};
+
+use super::{Claim, Error, Fenced, Result, Store};
+use crate::{
+    record::{put_headers, take_headers},
+    ClaimToken, Fingerprint, Scope, StoredResponse,
+};
+
+/// How long a request waits for a pooled connection (or a new one) before the layer
+/// answers `503` (fail closed).
+const POOL_TIMEOUT: Duration = Duration::from_secs(2);
+const POOL_SIZE: usize = 16;
+/// A claim can lose a race with a row committed after its snapshot; it then reads again.
+const CLAIM_ATTEMPTS: usize = 5;
+
+/// A store in PostgreSQL, after the classic `idempotency_keys` table: one row per
+/// `(idempotency_key, endpoint, principal)`, responses as `BYTEA` (byte-exact), the claim
+/// token and `locked_until` for the in-progress lease, `created_at`, `completed_at` and
+/// `expires_at`. All times come from the database's clock, so application servers with
+/// skewed clocks agree.
+///
+/// - **claim** is one statement: `INSERT … ON CONFLICT DO UPDATE … WHERE <expired>`
+///   takes a free, expired, or abandoned (lease run out) row, and the same statement returns
+///   the live row otherwise.
+/// - **complete**, **release**, **extend** are one statement each, fenced by the claim token
+///   and the lease.
+/// - Expired rows are never replayed. [`purge_expired`](Self::purge_expired) deletes them
+///   (or, with [`keep_completed`](Self::keep_completed), only abandoned claims, keeping
+///   completed rows as an audit trail); [`spawn_purge`](Self::spawn_purge) runs it
+///   periodically. A key reused after its TTL overwrites its expired row.
+///
+/// Run [`migrate`](Self::migrate) once (it is idempotent) or apply
+/// [`migration_sql`](Self::migration_sql) with your migration tool.
+///
+/// # Example
+///
+/// ```no_run
+/// use tower_idempotency::{IdempotencyLayer, PostgresStore};
+///
+/// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+/// let store = PostgresStore::connect("postgres://app@localhost/app").await?;
+/// store.migrate().await?;
+/// let _purge = store.spawn_purge(std::time::Duration::from_secs(3600));
+/// let layer = IdempotencyLayer::new(store);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    table: Arc<Table>,
+    keep_completed: bool,
+}
+
+/// Why a PostgreSQL operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PostgresStoreError {
+    /// The database refused or failed a statement.
+    #[error("postgres: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    /// No connection could be had from the pool in time.
+    #[error("postgres pool: {0}")]
+    Pool(#[from] deadpool_postgres::PoolError),
+    /// The connection URL or pool settings are invalid.
+    #[error("postgres configuration: {0}")]
+    Config(String),
+    /// A schema or table name that is not a plain SQL identifier.
+    #[error(
+        "invalid SQL identifier {0:?}: use 1 to 63 of a-z, 0-9 and _, not starting with a digit"
+    )]
+    InvalidIdentifier(String),
+    /// A row holds something this version never writes.
+    #[error("unexpected row: {0}")]
+    UnexpectedRow(&'static str),
+}
+
+impl From<PostgresStoreError> for Error {
+    fn from(error: PostgresStoreError) -> Self {
+        Error::Backend(Box::new(error))
+    }
+}
+
+impl From<tokio_postgres::Error> for Error {
+    fn from(error: tokio_postgres::Error) -> Self {
+        PostgresStoreError::from(error).into()
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for Error {
+    fn from(error: deadpool_postgres::PoolError) -> Self {
+        PostgresStoreError::from(error).into()
+    }
+}
+
+/// The table's qualified name and the statements on it, built once.
+struct Table {
+    name: String,
+    claim: String,
+    complete: String,
+    release: String,
+    extend: String,
+    purge: String,
+    purge_keeping_completed: String,
+}
+
+impl PostgresStore {
+    /// Connects a pool of up to 16 connections to `url` (`postgres://user@host/db`), using
+    /// the table `public.idempotency_keys`. Connections are opened on first use.
+    pub async fn connect(url: &str) -> Result<Self, PostgresStoreError> {
+        let config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e: tokio_postgres::Error| PostgresStoreError::Config(e.to_string()))?;
+        let pool = Pool::builder(Manager::new(config, NoTls))
+            .max_size(POOL_SIZE)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(POOL_TIMEOUT))
+            .create_timeout(Some(POOL_TIMEOUT))
+            .recycle_timeout(Some(POOL_TIMEOUT))
+            .build()
+            .map_err(|e| PostgresStoreError::Config(e.to_string()))?;
+        Ok(Self::new(pool))
+    }
+
+    /// A store on a pool the application already has.
+    pub fn new(pool: Pool) -> Self {
+        let table = Table::new("public", "idempotency_keys");
+        Self {
+            pool,
+            table: Arc::new(table),
+            keep_completed: false,
+        }
+    }
+
+    /// Uses `schema.table` instead of `public.idempotency_keys`. Both must be plain SQL
+    /// identifiers (`[a-z_][a-z0-9_]*`, at most 63 bytes).
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+    /// use tower_idempotency::PostgresStore;
+    /// let store = PostgresStore::connect("postgres://localhost/app").await?.table("billing", "idempotency_keys")?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn table(mut self, schema: &str, table: &str) -> Result<Self, PostgresStoreError> {
+        validate_identifier(schema)?;
+        validate_identifier(table)?;
+        self.table = Arc::new(Table::new(schema, table));
+        Ok(self)
+    }
+
+    /// Keep completed rows past their expiry, for reconciliation: they are never replayed
+    /// once expired, and [`purge_expired`](Self::purge_expired) deletes only abandoned
+    /// claims.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+    /// use tower_idempotency::PostgresStore;
+    /// let store = PostgresStore::connect("postgres://localhost/app").await?.keep_completed();
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn keep_completed(mut self) -> Self {
+        self.keep_completed = true;
+        self
+    }
+
+    /// The SQL that creates the table and its index, for this store's table name.
+    pub fn migration_sql(&self) -> String {
+        migration_sql(&self.table.name)
+    }
+
+    /// Creates the table and its index if they do not exist.
+    pub async fn migrate(&self) -> Result<(), PostgresStoreError> {
+        let client = self.pool.get().await?;
+        client.batch_execute(&self.migration_sql()).await?;
+        Ok(())
+    }
+
+    /// Deletes expired rows (only abandoned claims with
+    /// [`keep_completed`](Self::keep_completed)) and returns how many.
+    pub async fn purge_expired(&self) -> Result<u64, PostgresStoreError> {
+        let client = self.pool.get().await?;
+        let sql = if self.keep_completed {
+            &self.table.purge_keeping_completed
+        } else {
+            &self.table.purge
+        };
+        let statement = client.prepare_cached(sql).await?;
+        Ok(client.execute(&statement, &[]).await?)
+    }
+
+    /// Runs [`purge_expired`](Self::purge_expired) every `interval` until the handle is
+    /// aborted; failures are logged and retried at the next tick.
+    pub fn spawn_purge(&self, interval: Duration) -> JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(interval);
+            loop {
+                ticks.tick().await;
+                match store.purge_expired().await {
+                    Ok(purged) => tracing::debug!(purged, "purged expired idempotency rows"),
+                    Err(error) => {
+                        tracing::warn!(%error, "could not purge expired idempotency rows")
+                    }
+                }
+            }
+        })
+    }
+
+    /// The table's qualified name.
+    pub fn table_name(&self) -> &str {
+        &self.table.name
+    }
+
+    async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(sql).await?;
+        Ok(client.execute(&statement, params).await?)
+    }
+}
+
+fn validate_identifier(name: &str) -> Result<(), PostgresStoreError> {
+    let mut chars = name.chars();
+    let valid = name.len() <= 63
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if valid {
+        Ok(())
+    } else {
+        Err(PostgresStoreError::InvalidIdentifier(name.to_owned()))
+    }
+}
+
+fn migration_sql(table: &str) -> String {
+    let index = table.replace('.', "_");
+    format!(
+        "CREATE TABLE IF NOT EXISTS {table} (
+    idempotency_key  TEXT        NOT NULL,
+    endpoint         TEXT        NOT NULL,
+    principal        TEXT        NOT NULL,  -- '' is anonymous
+    request_hash     BYTEA       NOT NULL,  -- SHA-256 request fingerprint
+    status           TEXT        NOT NULL CHECK (status IN ('in_progress', 'completed')),
+    status_code      SMALLINT,
+    response_headers BYTEA,                 -- versioned binary encoding, order kept
+    response_body    BYTEA,
+    claim_token      BYTEA       NOT NULL,
+    locked_until     TIMESTAMPTZ,           -- the in-progress lease
+    created_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
+    completed_at     TIMESTAMPTZ,
+    expires_at       TIMESTAMPTZ NOT NULL,
+    CONSTRAINT {index}_scope UNIQUE (idempotency_key, endpoint, principal)
+);
+CREATE INDEX IF NOT EXISTS {index}_expires_at ON {table} (expires_at);
+"
+    )
+}
+
+impl Table {
+    fn new(schema: &str, table: &str) -> Self {
+        let name = format!("{schema}.{table}");
+        let scope = "idempotency_key = $1 AND endpoint = $2 AND principal = $3";
+        let held = format!(
+            "{scope} AND status = 'in_progress' AND claim_token = $4 AND locked_until > now()"
+        );
+        Self {
+            // $4 fingerprint, $5 token, $6 lease ms. The second SELECT reads the row this
+            // statement found in the way; it runs only when nothing was claimed.
+            claim: format!(
+                "WITH claimed AS (
+    INSERT INTO {name} AS r (idempotency_key, endpoint, principal, request_hash, status,
+        claim_token, locked_until, created_at, expires_at)
+    VALUES ($1, $2, $3, $4, 'in_progress', $5, now() + $6::bigint * interval '1 millisecond', now(),
+        now() + $6::bigint * interval '1 millisecond')
+    ON CONFLICT (idempotency_key, endpoint, principal) DO UPDATE SET
+        request_hash = EXCLUDED.request_hash, status = 'in_progress', status_code = NULL,
+        response_headers = NULL, response_body = NULL, claim_token = EXCLUDED.claim_token,
+        locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at,
+        completed_at = NULL, expires_at = EXCLUDED.expires_at
+    WHERE r.expires_at <= now() OR (r.status = 'in_progress' AND r.locked_until <= now())
+    RETURNING 1
+)
+SELECT true, NULL::bytea, NULL::text, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint
+FROM claimed
+UNION ALL
+SELECT false, request_hash, status, status_code, response_headers, response_body,
+    CASE WHEN status = 'in_progress'
+        THEN (extract(epoch FROM locked_until - now()) * 1000)::bigint END
+FROM {name}
+WHERE {scope} AND expires_at > now()
+    AND (status = 'completed' OR locked_until > now())
+    AND NOT EXISTS (SELECT 1 FROM claimed)"
+            ),
+            // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms.
+            complete: format!(
+                "UPDATE {name} SET status = 'completed', request_hash = $5, status_code = $6,
+    response_headers = $7, response_body = $8, completed_at = now(), locked_until = NULL,
+    expires_at = now() + $9::bigint * interval '1 millisecond'
+WHERE {held}"
+            ),
+            release: format!("DELETE FROM {name} WHERE {held}"),
+            // $5 lease ms.
+            extend: format!(
+                "UPDATE {name} SET locked_until = now() + $5::bigint * interval '1 millisecond',
+    expires_at = now() + $5::bigint * interval '1 millisecond'
+WHERE {held}"
+            ),
+            purge: format!("DELETE FROM {name} WHERE expires_at <= now()"),
+            purge_keeping_completed: format!(
+                "DELETE FROM {name} WHERE expires_at <= now() AND status = 'in_progress'"
+            ),
+            name,
+        }
+    }
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis())
+        .unwrap_or(i64::MAX)
+        .max(1)
+}
+
+fn fenced(rows: u64) -> Fenced {
+    if rows == 1 {
+        Fenced::Applied
+    } else {
+        Fenced::Lost
+    }
+}
+
+fn principal(scope: &Scope) -> &str {
+    scope.principal().unwrap_or("")
+}
+
+fn decode_claim(row: &Row) -> Result<Claim> {
+    let hash: Vec<u8> = row.try_get(1)?;
+    let fingerprint = Fingerprint::from_bytes(
+        hash.try_into()
+            .map_err(|_| PostgresStoreError::UnexpectedRow("request_hash is not 32 bytes"))?,
+    );
+    let status: String = row.try_get(2)?;
+    match status.as_str() {
+        "in_progress" => {
+            let remaining: i64 = row.try_get(6)?;
+            let lease_remaining = Duration::from_millis(remaining.max(0) as u64);
+            Ok(Claim::InProgress {
+                fingerprint,
+                lease_remaining,
+            })
+        }
+        "completed" => {
+            let code: i16 = row.try_get(3)?;
+            let status = u16::try_from(code)
+                .ok()
+                .and_then(|c| StatusCode::from_u16(c).ok())
+                .ok_or(PostgresStoreError::UnexpectedRow("invalid status_code"))?;
+            let mut headers = Bytes::from(row.try_get::<_, Vec<u8>>(4)?);
+            let decoded = take_headers(&mut headers)?;
+            if !headers.is_empty() {
+                return Err(
+                    PostgresStoreError::UnexpectedRow("trailing bytes after headers").into(),
+                );
+            }
+            let body = Bytes::from(row.try_get::<_, Vec<u8>>(5)?);
+            let response = StoredResponse {
+                status,
+                headers: decoded,
+                body,
+            };
+            Ok(Claim::Completed {
+                fingerprint,
+                response,
+            })
+        }
+        _ => Err(PostgresStoreError::UnexpectedRow("unknown status").into()),
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim> {
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(&self.table.claim).await?;
+        let token = ClaimToken::random();
+        let (key, endpoint, principal) = (scope.key().as_str(), scope.endpoint(), principal(scope));
+        let (hash, token_bytes, lease) = (
+            fingerprint.as_bytes().as_slice(),
+            token.as_bytes().as_slice(),
+            millis(lease),
+        );
+        for _ in 0..CLAIM_ATTEMPTS {
+            let row = client
+                .query_opt(
+                    &statement,
+                    &[&key, &endpoint, &principal, &hash, &token_bytes, &lease],
+                )
+                .await?;
+            match row {
+                Some(row) if row.try_get::<_, bool>(0)? => return Ok(Claim::Claimed(token)),
+                Some(row) => return decode_claim(&row),
+                // The row in the way was committed after this statement's snapshot: again.
+                None => continue,
+            }
+        }
+        Err(
+            PostgresStoreError::UnexpectedRow("claim found neither a free key nor a live row")
+                .into(),
+        )
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced> {
+        let mut headers = BytesMut::new();
+        put_headers(&mut headers, &response.headers);
+        let status = response.status.as_u16() as i16;
+        let rows = self
+            .execute(
+                &self.table.complete,
+                &[
+                    &scope.key().as_str(),
+                    &scope.endpoint(),
+                    &principal(scope),
+                    &token.as_bytes().as_slice(),
+                    &fingerprint.as_bytes().as_slice(),
+                    &status,
+                    &headers.as_ref(),
+                    &response.body.as_ref(),
+                    &millis(ttl),
+                ],
+            )
+            .await?;
+        Ok(fenced(rows))
+    }
+
+    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+        let params: [&(dyn ToSql + Sync); 4] = [
+            &scope.key().as_str(),
+            &scope.endpoint(),
+            &principal(scope),
+            &token.as_bytes().as_slice(),
+        ];
+        Ok(fenced(self.execute(&self.table.release, &params).await?))
+    }
+
+    async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
+        let params: [&(dyn ToSql + Sync); 5] = [
+            &scope.key().as_str(),
+            &scope.endpoint(),
+            &principal(scope),
+            &token.as_bytes().as_slice(),
+            &millis(lease),
+        ];
+        Ok(fenced(self.execute(&self.table.extend, &params).await?))
+    }
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.table.name)
+            .field("keep_completed", &self.keep_completed)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_validated() {
+        for good in ["idempotency_keys", "_t", "t1", &"a".repeat(63)] {
+            assert!(validate_identifier(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            "1t",
+            "T",
+            "a-b",
+            "a.b",
+            "a;drop",
+            "\"q\"",
+            &"a".repeat(64),
+        ] {
+            assert!(validate_identifier(bad).is_err(), "{bad}");
+        }
+    }
+}
