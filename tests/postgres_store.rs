@@ -1,0 +1,274 @@
+//! What only the PostgreSQL store does: its table, expiry purge, audit trail, and outages.
+
+mod support;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{body::Body, http::StatusCode, routing::post, Router};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower_idempotency::{
+    store::{Claim, Fenced, PostgresStoreError},
+    Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore, Scope, Store, StoredResponse,
+};
+
+fn scope(key: &str, principal: Option<&str>) -> Scope {
+    let key = IdempotencyKey::parse(&HeaderValue::from_str(key).unwrap()).unwrap();
+    Scope::new(
+        principal.map(str::to_owned),
+        "POST /v1/payments".to_owned(),
+        key,
+    )
+}
+
+const FINGERPRINT: Fingerprint = Fingerprint::from_bytes([3; 32]);
+
+fn response(body: &'static [u8]) -> StoredResponse {
+    let mut headers = HeaderMap::new();
+    headers.append("set-cookie", HeaderValue::from_static("a=1"));
+    headers.append("x-opaque", HeaderValue::from_bytes(b"\x80\xff").unwrap());
+    headers.append("set-cookie", HeaderValue::from_static("b=2"));
+    StoredResponse {
+        status: StatusCode::PAYMENT_REQUIRED,
+        headers,
+        body: Bytes::from_static(body),
+    }
+}
+
+async fn complete(store: &PostgresStore, scope: &Scope, ttl: Duration) -> StoredResponse {
+    let Claim::Claimed(token) = store
+        .claim(scope, FINGERPRINT, Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("expected a free key")
+    };
+    let stored = response(b"\x00\x01\xfe\xff not utf-8 \xc3");
+    assert_eq!(
+        store
+            .complete(scope, token, FINGERPRINT, &stored, ttl)
+            .await
+            .unwrap(),
+        Fenced::Applied
+    );
+    stored
+}
+
+async fn row_count(store: &PostgresStore) -> i64 {
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!("SELECT count(*) FROM {}", store.table_name());
+    client.query_one(&sql, &[]).await.unwrap().get(0)
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_names_are_validated() {
+    let store = support::postgres_store().await;
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    assert!(store.migration_sql().contains(&format!(
+        "CREATE TABLE IF NOT EXISTS {}",
+        store.table_name()
+    )));
+    assert!(store
+        .migration_sql()
+        .contains("UNIQUE (idempotency_key, endpoint, principal)"));
+    for (schema, table) in [
+        ("public", "keys; DROP TABLE x"),
+        ("Public", "keys"),
+        ("public", ""),
+    ] {
+        let store = PostgresStore::connect(&support::database_url())
+            .await
+            .unwrap();
+        assert!(matches!(
+            store.table(schema, table),
+            Err(PostgresStoreError::InvalidIdentifier(_))
+        ));
+    }
+}
+
+#[tokio::test]
+async fn rows_hold_the_scope_and_the_response_byte_exact() {
+    let store = support::postgres_store().await;
+    let scope = scope("k-1", Some("alice"));
+    let stored = complete(&store, &scope, Duration::from_secs(3600)).await;
+
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "SELECT idempotency_key, endpoint, principal, status, status_code, response_body, request_hash,
+                expires_at > now() + interval '59 minutes' AND expires_at <= now() + interval '1 hour'
+         FROM {}",
+        store.table_name()
+    );
+    let rows = client.query(&sql, &[]).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    let row = &rows[0];
+    assert_eq!(row.get::<_, &str>(0), "k-1");
+    assert_eq!(row.get::<_, &str>(1), "POST /v1/payments");
+    assert_eq!(row.get::<_, &str>(2), "alice");
+    assert_eq!(row.get::<_, &str>(3), "completed");
+    assert_eq!(row.get::<_, i16>(4), 402);
+    assert_eq!(row.get::<_, &[u8]>(5), &stored.body[..]);
+    assert_eq!(row.get::<_, &[u8]>(6), FINGERPRINT.as_bytes());
+    assert!(row.get::<_, bool>(7), "expires_at is the TTL from now");
+
+    match store
+        .claim(&scope, FINGERPRINT, Duration::from_secs(30))
+        .await
+        .unwrap()
+    {
+        Claim::Completed {
+            response,
+            fingerprint,
+        } => {
+            assert_eq!(response, stored);
+            assert_eq!(fingerprint, FINGERPRINT);
+        }
+        other => panic!("expected the completed record, got {other:?}"),
+    }
+    // The anonymous principal is a row of its own.
+    assert!(matches!(
+        store
+            .claim(
+                &self::scope("k-1", None),
+                FINGERPRINT,
+                Duration::from_secs(30)
+            )
+            .await
+            .unwrap(),
+        Claim::Claimed(_)
+    ));
+}
+
+#[tokio::test]
+async fn expired_rows_are_never_replayed_and_are_purged() {
+    let store = support::postgres_store().await;
+    complete(&store, &scope("old", None), Duration::from_millis(100)).await;
+    complete(&store, &scope("live", None), Duration::from_secs(3600)).await;
+    store
+        .claim(
+            &scope("abandoned", None),
+            FINGERPRINT,
+            Duration::from_millis(100),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    assert_eq!(store.purge_expired().await.unwrap(), 2);
+    assert_eq!(row_count(&store).await, 1);
+    assert!(matches!(
+        store
+            .claim(&scope("old", None), FINGERPRINT, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        Claim::Claimed(_)
+    ));
+}
+
+#[tokio::test]
+async fn keep_completed_leaves_an_audit_trail_that_is_never_replayed() {
+    let store = support::postgres_store().await.keep_completed();
+    complete(&store, &scope("audited", None), Duration::from_millis(100)).await;
+    store
+        .claim(
+            &scope("abandoned", None),
+            FINGERPRINT,
+            Duration::from_millis(100),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    assert_eq!(
+        store.purge_expired().await.unwrap(),
+        1,
+        "only the abandoned claim goes"
+    );
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!("SELECT idempotency_key, status FROM {}", store.table_name());
+    let rows = client.query(&sql, &[]).await.unwrap();
+    let kept: Vec<(&str, &str)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(kept, [("audited", "completed")]);
+    // Expired, so the key is free again rather than replayed.
+    assert!(matches!(
+        store
+            .claim(
+                &scope("audited", None),
+                FINGERPRINT,
+                Duration::from_secs(30)
+            )
+            .await
+            .unwrap(),
+        Claim::Claimed(_)
+    ));
+}
+
+#[tokio::test]
+async fn background_purge_runs_periodically() {
+    let store = support::postgres_store().await;
+    let purge = store.spawn_purge(Duration::from_millis(100));
+    complete(&store, &scope("a", None), Duration::from_millis(50)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while row_count(&store).await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the purge task never removed the row"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    purge.abort();
+}
+
+#[tokio::test]
+async fn unreachable_database_fails_closed() {
+    // A port nothing listens on: every connection attempt is refused.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let store = PostgresStore::connect(&format!("postgres://postgres@127.0.0.1:{port}/postgres"))
+        .await
+        .unwrap();
+    assert!(store
+        .claim(&scope("k", None), FINGERPRINT, Duration::from_secs(1))
+        .await
+        .is_err());
+
+    let executed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let handler = {
+        let executed = executed.clone();
+        move || async move {
+            executed.store(true, std::sync::atomic::Ordering::SeqCst);
+            StatusCode::CREATED
+        }
+    };
+    let app = Router::new()
+        .route("/v1/payments", post(handler))
+        .layer(IdempotencyLayer::new(store));
+    let request = Request::post("/v1/payments")
+        .header("idempotency-key", "k")
+        .body(Body::empty())
+        .unwrap();
+    let response = app.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(response.headers().contains_key("retry-after"));
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, r#"{"error":"idempotency_store_unavailable"}"#);
+    assert!(!executed.load(std::sync::atomic::Ordering::SeqCst));
+}
+
+#[tokio::test]
+async fn readme_shows_the_migration_sql() {
+    let store = PostgresStore::connect(&support::database_url())
+        .await
+        .unwrap();
+    let readme = include_str!("../README.md");
+    assert!(
+        readme.contains(store.migration_sql().trim()),
+        "README's SQL differs from migration_sql()"
+    );
+}
