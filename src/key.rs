@@ -92,6 +92,10 @@ fn parse_quoted(raw: &[u8]) -> Result<String, InvalidKey> {
     if raw.iter().any(|b| !(0x20..=0x7e).contains(b)) {
         return Err(InvalidKey::InvalidCharacter);
     }
+    // Strict: nothing may follow the closing quote (sfv would skip trailing spaces).
+    if raw.len() < 2 || raw.last() != Some(&b'"') {
+        return Err(InvalidKey::MalformedQuotedString);
+    }
     let item: sfv::Item = sfv::Parser::new(raw)
         .parse()
         .map_err(|_| InvalidKey::MalformedQuotedString)?;
