@@ -1,0 +1,661 @@
+//! `RedisStore` against a real Redis: round trips per request, fencing, byte-exact records,
+//! exactly-once across independent layers, outages, and lease renewal.
+//!
+//! Tests that count commands or stop Redis run their own `redis-server`; the others share
+//! the suite's Redis, each under a prefix of its own.
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    convert::Infallible,
+    future::Future,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http::{header::RETRY_AFTER, HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use support::redis_server::RedisServer;
+use tokio::{
+    sync::{Barrier, Notify},
+    time::{sleep, sleep_until, timeout, Instant},
+};
+use tower::{util::BoxCloneSyncService, Layer, ServiceExt};
+use tower_idempotency::{
+    redis::{self, aio::MultiplexedConnection},
+    store::{Claim, Fenced},
+    ClaimToken, Fingerprint, Idempotency, IdempotencyKey, IdempotencyLayer, RedisStore, Scope,
+    Store, StoredResponse, REPLAYED_HEADER,
+};
+
+// ---------------------------------------------------------------------------------------
+// A counting handler behind the layer, and requests to it.
+
+type Body = Full<Bytes>;
+type App = Idempotency<BoxCloneSyncService<Request<Body>, Response<Body>, Infallible>>;
+
+/// The request header telling the handler which status to answer (default 201).
+const STATUS_HEADER: &str = "x-status";
+
+/// A handler that counts its executions and answers `201 executed-<n>` (or the status the
+/// request asks for), after an optional delay and an optional gate.
+#[derive(Clone, Default)]
+struct Handler {
+    executions: Arc<AtomicUsize>,
+    delay: Duration,
+    gate: Option<Arc<Gate>>,
+}
+
+/// Holds a handler until the test lets it go, and tells the test when it got there.
+#[derive(Default)]
+struct Gate {
+    entered: Notify,
+    release: Notify,
+}
+
+impl Handler {
+    fn slow(delay: Duration) -> Self {
+        Self {
+            delay,
+            ..Self::default()
+        }
+    }
+
+    fn gated(gate: &Arc<Gate>) -> Self {
+        Self {
+            gate: Some(gate.clone()),
+            ..Self::default()
+        }
+    }
+
+    fn executions(&self) -> usize {
+        self.executions.load(Ordering::SeqCst)
+    }
+
+    async fn handle(self, request: Request<Body>) -> Response<Body> {
+        let n = self.executions.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Some(gate) = &self.gate {
+            gate.entered.notify_one();
+            gate.release.notified().await;
+        }
+        sleep(self.delay).await;
+        let status = request
+            .headers()
+            .get(STATUS_HEADER)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .unwrap_or(StatusCode::CREATED);
+        let mut response = Response::new(Full::new(Bytes::from(format!("executed-{n}"))));
+        *response.status_mut() = status;
+        response
+    }
+
+    /// This handler behind `layer`.
+    fn behind(&self, layer: &IdempotencyLayer) -> App {
+        let handler = self.clone();
+        let service = tower::service_fn(move |request| {
+            let handler = handler.clone();
+            async move { Ok::<_, Infallible>(handler.handle(request).await) }
+        });
+        layer.layer(BoxCloneSyncService::new(service))
+    }
+}
+
+/// A keyed `POST /v1/payments`.
+fn post(key: &str, body: &'static str) -> Request<Body> {
+    Request::post("/v1/payments")
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+/// A keyed `POST` whose handler answers `status`.
+fn post_answering(key: &str, status: StatusCode) -> Request<Body> {
+    let mut request = post(key, "{}");
+    request
+        .headers_mut()
+        .insert(STATUS_HEADER, HeaderValue::from(status.as_u16()));
+    request
+}
+
+/// A response, buffered.
+#[derive(Debug)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn is_replay(&self) -> bool {
+        self.headers
+            .get(REPLAYED_HEADER)
+            .is_some_and(|v| v == "true")
+    }
+
+    /// The `error` code of a JSON error body.
+    fn error(&self) -> Option<String> {
+        let json: serde_json::Value = serde_json::from_slice(&self.body).ok()?;
+        json.get("error")?.as_str().map(str::to_owned)
+    }
+
+    /// Asserts this is the handler's own, freshly executed 201.
+    fn assert_executed(&self) {
+        assert_eq!(self.status, StatusCode::CREATED, "{self:?}");
+        assert!(!self.is_replay(), "{self:?}");
+        assert!(self.body.starts_with(b"executed-"), "{self:?}");
+    }
+
+    /// Asserts this replays `original` byte for byte.
+    fn assert_replay_of(&self, original: &Reply) {
+        assert!(self.is_replay(), "{self:?}");
+        assert_eq!(self.status, original.status, "{self:?}");
+        assert_eq!(self.body, original.body, "{self:?}");
+    }
+
+    /// Asserts this is the layer's error `code`, with `status`.
+    fn assert_error(&self, status: StatusCode, code: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(self.error().as_deref(), Some(code), "{self:?}");
+    }
+
+    /// Asserts this is a `409 request_in_progress` telling the client when to come back.
+    fn assert_in_progress(&self) {
+        self.assert_error(StatusCode::CONFLICT, "request_in_progress");
+        assert!(self.headers.contains_key(RETRY_AFTER), "{self:?}");
+    }
+}
+
+async fn send(app: &App, request: Request<Body>) -> Reply {
+    let response = app.clone().oneshot(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+/// A fresh key, so that runs never meet each other's records.
+fn new_key(name: &str) -> String {
+    format!("{name}-{:016x}", rand::random::<u64>())
+}
+
+// ---------------------------------------------------------------------------------------
+// Stores and scopes for store-level tests.
+
+/// A store on the shared Redis with a prefix no one else uses, and that prefix.
+async fn isolated_store(test: &str) -> (RedisStore, String) {
+    let prefix = support::unique_prefix(test);
+    let store = RedisStore::open(&support::redis_url())
+        .await
+        .expect("shared Redis (set REDIS_URL)")
+        .prefix(prefix.clone());
+    (store, prefix)
+}
+
+/// A raw connection to `url`, to look at what the store wrote.
+async fn raw_connection(url: &str) -> MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+fn scope(key: &str) -> Scope {
+    let key = IdempotencyKey::parse(&HeaderValue::from_str(key).unwrap()).unwrap();
+    Scope::new(Some("alice".into()), "POST /v1/payments".into(), key)
+}
+
+fn fingerprint(byte: u8) -> Fingerprint {
+    Fingerprint::from_bytes([byte; 32])
+}
+
+async fn claimed(
+    store: &RedisStore,
+    scope: &Scope,
+    fingerprint: Fingerprint,
+    lease: Duration,
+) -> ClaimToken {
+    match store.claim(scope, fingerprint, lease).await.unwrap() {
+        Claim::Claimed(token) => token,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+/// Every key under `prefix` (the prefixes tests use have no glob characters).
+async fn keys_under(connection: &mut MultiplexedConnection, prefix: &str) -> Vec<String> {
+    redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(connection)
+        .await
+        .unwrap()
+}
+
+async fn pttl(connection: &mut MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(connection)
+        .await
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------------------
+// Counting the commands clients send, from `INFO commandstats`.
+
+/// The commands a client sends to run a script. Commands a script runs are counted by Redis
+/// under their own names and are not round trips.
+const CLIENT_SCRIPT_COMMANDS: [&str; 3] = ["evalsha", "eval", "script"];
+/// What the store's scripts run inside Redis.
+const SCRIPT_INTERNAL_COMMANDS: [&str; 5] = ["get", "set", "pttl", "pexpire", "del"];
+
+struct CommandCounter(MultiplexedConnection);
+
+impl CommandCounter {
+    async fn connect(server: &RedisServer) -> Self {
+        Self(raw_connection(&server.url()).await)
+    }
+
+    /// `cmdstat_<name>:calls=N` for every command Redis has run.
+    async fn calls(&mut self) -> HashMap<String, u64> {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut self.0)
+            .await
+            .unwrap();
+        info.lines()
+            .filter_map(|line| {
+                let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+                let calls = stats.split(',').find_map(|s| s.strip_prefix("calls="))?;
+                Some((name.to_owned(), calls.parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// Runs `work` and returns its output with the round trips clients made meanwhile.
+    ///
+    /// Panics if any command other than scripts (and what they run) was sent: every store
+    /// operation must be one script invocation.
+    async fn round_trips<T>(&mut self, work: impl Future<Output = T>) -> (T, u64) {
+        let before = self.calls().await;
+        let output = work.await;
+        let after = self.calls().await;
+        let delta: HashMap<&str, u64> = after
+            .iter()
+            .map(|(name, calls)| (name.as_str(), calls - before.get(name).unwrap_or(&0)))
+            .filter(|&(name, calls)| calls > 0 && name != "info")
+            .collect();
+        let unexpected: Vec<_> = delta
+            .keys()
+            .filter(|name| {
+                !CLIENT_SCRIPT_COMMANDS.contains(name) && !SCRIPT_INTERNAL_COMMANDS.contains(name)
+            })
+            .collect();
+        assert!(unexpected.is_empty(), "commands outside scripts: {delta:?}");
+        let trips = CLIENT_SCRIPT_COMMANDS
+            .iter()
+            .map(|name| delta.get(name).unwrap_or(&0))
+            .sum();
+        (output, trips)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. Round trips per request.
+
+#[tokio::test]
+async fn each_request_costs_the_documented_round_trips() {
+    let server = RedisServer::start();
+    let layer = IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap());
+    let handler = Handler::default();
+    let app = handler.behind(&layer);
+    let gate = Arc::new(Gate::default());
+    let gated = Handler::gated(&gate).behind(&layer);
+    let mut counter = CommandCounter::connect(&server).await;
+
+    // Load every script once, so that NOSCRIPT round trips are not counted below.
+    let warm = new_key("warm");
+    send(&app, post(&warm, "{}")).await.assert_executed();
+    assert!(send(&app, post(&warm, "{}")).await.is_replay());
+    let released = send(
+        &app,
+        post_answering(&new_key("warm"), StatusCode::BAD_GATEWAY),
+    )
+    .await;
+    assert_eq!(released.status, StatusCode::BAD_GATEWAY);
+
+    let key = new_key("first");
+    let (first, trips) = counter.round_trips(send(&app, post(&key, "{}"))).await;
+    first.assert_executed();
+    assert_eq!(trips, 2, "first execution: claim + complete");
+
+    let (replay, trips) = counter.round_trips(send(&app, post(&key, "{}"))).await;
+    replay.assert_replay_of(&first);
+    assert_eq!(trips, 1, "replay: claim");
+
+    let (mismatch, trips) = counter
+        .round_trips(send(&app, post(&key, "{\"other\":1}")))
+        .await;
+    mismatch.assert_error(
+        StatusCode::CONFLICT,
+        "idempotency_key_reused_with_different_params",
+    );
+    assert_eq!(trips, 1, "fingerprint mismatch: claim");
+
+    let failing = post_answering(&new_key("5xx"), StatusCode::INTERNAL_SERVER_ERROR);
+    let (failed, trips) = counter.round_trips(send(&app, failing)).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(trips, 2, "released 5xx: claim + release");
+
+    let slow_key = new_key("slow");
+    let holder = tokio::spawn({
+        let (gated, request) = (gated.clone(), post(&slow_key, "{}"));
+        async move { send(&gated, request).await }
+    });
+    timeout(Duration::from_secs(10), gate.entered.notified())
+        .await
+        .expect("the gated handler never started");
+    let (busy, trips) = counter
+        .round_trips(send(&gated, post(&slow_key, "{}")))
+        .await;
+    busy.assert_in_progress();
+    assert_eq!(trips, 1, "in progress: claim");
+    gate.release.notify_one();
+    holder.await.unwrap().assert_executed();
+    // Warm-up 201 and 502, then the first execution and the 500; never the replays.
+    assert_eq!(handler.executions(), 4);
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Fencing.
+
+/// The lease left on `scope`'s in-progress record, which must carry `expected` fingerprint.
+async fn lease_left(store: &RedisStore, scope: &Scope, expected: Fingerprint) -> Duration {
+    match store
+        .claim(scope, fingerprint(0xee), Duration::from_secs(60))
+        .await
+        .unwrap()
+    {
+        Claim::InProgress {
+            fingerprint,
+            lease_remaining,
+        } if fingerprint == expected => lease_remaining,
+        other => panic!("expected the in-progress record of {expected:?}, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_lost_claim_can_neither_complete_release_nor_extend_the_new_one() {
+    let (store, _) = isolated_store("fencing").await;
+    let scope = scope(&new_key("fenced"));
+    let (fp_a, fp_b) = (fingerprint(0xa), fingerprint(0xb));
+    let (lease_b, ttl) = (Duration::from_secs(10), Duration::from_secs(60));
+
+    let a = claimed(&store, &scope, fp_a, Duration::from_millis(100)).await;
+    sleep(Duration::from_millis(200)).await;
+    let b = claimed(&store, &scope, fp_b, lease_b).await;
+    assert_ne!(a, b);
+
+    let stale = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: HeaderMap::new(),
+        body: Bytes::from_static(b"from the lost claim A"),
+    };
+    let writes_with_a = [
+        store.complete(&scope, a, fp_a, &stale, ttl).await.unwrap(),
+        store.release(&scope, a).await.unwrap(),
+        store.extend(&scope, a, 10 * ttl).await.unwrap(),
+    ];
+    assert_eq!(
+        writes_with_a,
+        [Fenced::Lost; 3],
+        "complete, release, extend with A"
+    );
+    let left = lease_left(&store, &scope, fp_b).await;
+    assert!(left <= lease_b, "A's extend renewed B's lease: {left:?}");
+
+    assert_eq!(store.extend(&scope, b, ttl).await.unwrap(), Fenced::Applied);
+    let left = lease_left(&store, &scope, fp_b).await;
+    assert!(
+        lease_b < left && left <= ttl,
+        "B's extend did not renew: {left:?}"
+    );
+
+    let done = binary_response();
+    assert_eq!(
+        store.complete(&scope, b, fp_b, &done, ttl).await.unwrap(),
+        Fenced::Applied
+    );
+    assert_eq!(
+        store.claim(&scope, fp_b, lease_b).await.unwrap(),
+        Claim::Completed {
+            fingerprint: fp_b,
+            response: done
+        }
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Byte-exact records, one key each, expiring by Redis's TTL.
+
+/// A response no text encoding survives: 64 random bytes that are not UTF-8, a repeated
+/// header, and a header value of bytes 0x80 to 0xff.
+fn binary_response() -> StoredResponse {
+    let mut body: [u8; 64] = rand::random();
+    body[0] = 0xff;
+    assert!(std::str::from_utf8(&body).is_err());
+    let mut headers = HeaderMap::new();
+    headers.append("set-cookie", HeaderValue::from_static("a=1; Path=/"));
+    headers.append("set-cookie", HeaderValue::from_static("b=2; Secure"));
+    let opaque: Vec<u8> = (0x80..=0xff).collect();
+    headers.append("x-opaque", HeaderValue::from_bytes(&opaque).unwrap());
+    StoredResponse {
+        status: StatusCode::PAYMENT_REQUIRED,
+        headers,
+        body: Bytes::copy_from_slice(&body),
+    }
+}
+
+#[tokio::test]
+async fn records_are_byte_exact_one_key_each_with_redis_ttl() {
+    let (store, prefix) = isolated_store("bytes").await;
+    let mut redis = raw_connection(&support::redis_url()).await;
+    let scope = scope(&new_key("bytes"));
+    let key = store.redis_key(&scope);
+    assert!(key.starts_with(&prefix), "{key}");
+    let (lease, ttl) = (Duration::from_secs(5), Duration::from_secs(60));
+    let millis = |d: Duration| d.as_millis() as i64;
+
+    let token = claimed(&store, &scope, fingerprint(1), lease).await;
+    assert_eq!(keys_under(&mut redis, &prefix).await, [key.as_str()]);
+    let in_progress = pttl(&mut redis, &key).await;
+    assert!(
+        0 < in_progress && in_progress <= millis(lease),
+        "in progress PTTL {in_progress}"
+    );
+
+    let stored = binary_response();
+    assert_eq!(
+        store
+            .complete(&scope, token, fingerprint(1), &stored, ttl)
+            .await
+            .unwrap(),
+        Fenced::Applied
+    );
+    assert_eq!(keys_under(&mut redis, &prefix).await, [key.as_str()]);
+    let completed = pttl(&mut redis, &key).await;
+    assert!(
+        millis(lease) < completed && completed <= millis(ttl),
+        "completed PTTL {completed}"
+    );
+
+    let Claim::Completed {
+        fingerprint: fp,
+        response,
+    } = store.claim(&scope, fingerprint(2), lease).await.unwrap()
+    else {
+        panic!("expected the completed record");
+    };
+    assert_eq!(fp, fingerprint(1));
+    assert_eq!(response, stored);
+    // Equality holds per name; the repeated header keeps its order too.
+    let cookies: Vec<_> = response.headers.get_all("set-cookie").iter().collect();
+    assert_eq!(cookies, ["a=1; Path=/", "b=2; Secure"]);
+    // The claim that found the record changed nothing.
+    assert_eq!(keys_under(&mut redis, &prefix).await, [key.as_str()]);
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. Exactly once across independent layers.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_layers_on_two_connections_execute_a_key_once() {
+    const PER_LAYER: usize = 16;
+    let prefix = support::unique_prefix("two-layers");
+    let handler = Handler::slow(Duration::from_millis(300));
+    let mut apps = Vec::new();
+    for _ in 0..2 {
+        let store = RedisStore::open(&support::redis_url())
+            .await
+            .unwrap()
+            .prefix(prefix.clone());
+        apps.push(handler.behind(&IdempotencyLayer::new(store)));
+    }
+
+    let key = new_key("race");
+    let start = Arc::new(Barrier::new(2 * PER_LAYER));
+    let requests: Vec<_> = apps
+        .iter()
+        .flat_map(|app| std::iter::repeat_n(app, PER_LAYER))
+        .map(|app| {
+            let (app, request, start) = (app.clone(), post(&key, "{}"), start.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                send(&app, request).await
+            })
+        })
+        .collect();
+    let mut replies = Vec::new();
+    for request in requests {
+        replies.push(request.await.unwrap());
+    }
+
+    assert_eq!(handler.executions(), 1);
+    let (executed, others): (Vec<_>, Vec<_>) = replies
+        .iter()
+        .partition(|reply| reply.status == StatusCode::CREATED && !reply.is_replay());
+    assert_eq!(executed.len(), 1, "{replies:?}");
+    executed[0].assert_executed();
+    for reply in others {
+        if reply.is_replay() {
+            reply.assert_replay_of(executed[0]);
+        } else {
+            reply.assert_in_progress();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Outage: fail closed, recover, or fail open.
+
+/// A bound on one request while Redis is down: the connection's timeouts, with room to spare.
+const OUTAGE_BOUND: Duration = Duration::from_secs(15);
+
+#[tokio::test]
+async fn an_outage_fails_closed_recovers_by_itself_or_fails_open() {
+    let mut server = RedisServer::start();
+    let handler = Handler::default();
+    let closed = handler.behind(&IdempotencyLayer::new(
+        RedisStore::open(&server.url()).await.unwrap(),
+    ));
+    let open = handler
+        .behind(&IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap()).fail_open());
+    send(&closed, post(&new_key("before"), "{}"))
+        .await
+        .assert_executed();
+    send(&open, post(&new_key("before"), "{}"))
+        .await
+        .assert_executed();
+    let executed_before = handler.executions();
+
+    server.stop();
+    let refused = timeout(OUTAGE_BOUND, send(&closed, post(&new_key("down"), "{}")))
+        .await
+        .expect("a request during an outage must end within the connection's timeouts");
+    refused.assert_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency_store_unavailable",
+    );
+    assert!(refused.headers.contains_key(RETRY_AFTER), "{refused:?}");
+    assert_eq!(
+        handler.executions(),
+        executed_before,
+        "fail closed must not execute"
+    );
+
+    let unprotected = timeout(OUTAGE_BOUND, send(&open, post(&new_key("down"), "{}")))
+        .await
+        .expect("a fail-open request during an outage must end");
+    unprotected.assert_executed();
+    assert_eq!(
+        handler.executions(),
+        executed_before + 1,
+        "fail open executes"
+    );
+
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (key, first) = loop {
+        let key = new_key("after");
+        let reply = timeout(OUTAGE_BOUND, send(&closed, post(&key, "{}")))
+            .await
+            .unwrap();
+        if reply.status == StatusCode::CREATED {
+            break (key, reply);
+        }
+        reply.assert_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "idempotency_store_unavailable",
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the store did not recover after Redis came back"
+        );
+        sleep(Duration::from_millis(100)).await;
+    };
+    first.assert_executed();
+    send(&closed, post(&key, "{}"))
+        .await
+        .assert_replay_of(&first);
+}
+
+// ---------------------------------------------------------------------------------------
+// 6. Lease renewal.
+
+#[tokio::test]
+async fn a_running_handler_keeps_its_lease_past_three_leases() {
+    let layer = IdempotencyLayer::new(support::redis_store("renewal").await)
+        .lease(Duration::from_millis(300));
+    let handler = Handler::slow(Duration::from_secs(1));
+    let app = handler.behind(&layer);
+    let key = new_key("renewed");
+
+    let start = Instant::now();
+    let holder = tokio::spawn({
+        let (app, request) = (app.clone(), post(&key, "{}"));
+        async move { send(&app, request).await }
+    });
+    for at in [500, 800] {
+        sleep_until(start + Duration::from_millis(at)).await;
+        send(&app, post(&key, "{}")).await.assert_in_progress();
+    }
+    let first = holder.await.unwrap();
+    first.assert_executed();
+    send(&app, post(&key, "{}")).await.assert_replay_of(&first);
+    assert_eq!(handler.executions(), 1);
+}
