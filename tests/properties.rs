@@ -45,12 +45,18 @@ fn header_bytes() -> impl Strategy<Value = Vec<u8>> {
     ];
     prop_oneof![
         prop::collection::vec(interesting.clone(), 0..12),
-        // Quoted forms, to reach the sf-string branch often.
-        prop::collection::vec(interesting, 0..12).prop_map(|mut v| {
-            v.insert(0, b'"');
-            v.push(b'"');
-            v
-        }),
+        // Quoted forms, to reach the sf-string branch often, some with something after
+        // the closing quote.
+        (
+            prop::collection::vec(interesting, 0..12),
+            prop::sample::select(vec!["", "", " ", "  ", ";a=1", "\"", "x"]),
+        )
+            .prop_map(|(mut v, suffix)| {
+                v.insert(0, b'"');
+                v.push(b'"');
+                v.extend_from_slice(suffix.as_bytes());
+                v
+            }),
         // Around the length limit.
         (250usize..260, any::<bool>()).prop_map(|(n, quoted)| {
             let key = vec![b'k'; n];
