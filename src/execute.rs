@@ -13,9 +13,14 @@ use crate::{
     body::ResponseBody,
     layer::Config,
     response::{replay, Rejection},
-    store::{Claim, Fenced, Store},
+    store::{self, Claim, Fenced, Store},
     ClaimToken, Fingerprint, Scope, StoredResponse,
 };
+
+/// Attempts at completing or releasing a claim before giving up, and the first pause
+/// between them (quadrupled each time: 25, 100 ms).
+const WRITE_ATTEMPTS: usize = 3;
+const WRITE_RETRY_BACKOFF: std::time::Duration = std::time::Duration::from_millis(25);
 
 /// Claims `scope` and answers: a replay, a conflict, or the inner service's response
 /// (recorded unless released).
@@ -134,8 +139,30 @@ impl Held {
         }
     }
 
+    /// Runs a write after the handler, retrying store failures briefly: a blip (a failover,
+    /// a dropped connection) must not cost the record. Writes are idempotent, so a retry
+    /// after a timed-out attempt that did apply is harmless.
+    async fn write_after_execution<'a, F>(&'a self, write: impl Fn() -> F) -> store::Result<Fenced>
+    where
+        F: Future<Output = store::Result<Fenced>> + 'a,
+    {
+        let mut backoff = WRITE_RETRY_BACKOFF;
+        for _ in 1..WRITE_ATTEMPTS {
+            match write().await {
+                Err(error) => {
+                    tracing::warn!(key = %self.scope.key(), %error, "idempotency store write failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 4;
+                }
+                done => return done,
+            }
+        }
+        write().await
+    }
+
     async fn release(&self, why: &str) {
-        match self.store.release(&self.scope, self.token).await {
+        let release = || self.store.release(&self.scope, self.token);
+        match self.write_after_execution(release).await {
             Ok(Fenced::Applied) => {
                 tracing::debug!(key = %self.scope.key(), why, "idempotency key released");
             }
@@ -186,11 +213,11 @@ impl Held {
             }
         };
         let ttl = self.config.ttl;
-        match self
-            .store
-            .complete(&self.scope, self.token, fingerprint, &stored, ttl)
-            .await
-        {
+        let complete = || {
+            self.store
+                .complete(&self.scope, self.token, fingerprint, &stored, ttl)
+        };
+        match self.write_after_execution(complete).await {
             Ok(Fenced::Applied) => {}
             Ok(Fenced::Lost) => {
                 self.warn("claim lost before the response was recorded: it will not be replayed")

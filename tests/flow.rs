@@ -71,6 +71,7 @@ for_each_store!(
     lease_is_renewed_while_the_handler_runs,
     crashed_holder_frees_the_key_after_its_lease,
     stale_holder_cannot_touch_the_new_claim,
+    completing_twice_with_one_token_is_harmless,
     scope_parts_never_splice,
     principals_are_isolated_by_default,
     principal_extension_from_an_auth_layer,
@@ -707,6 +708,50 @@ async fn stale_holder_cannot_touch_the_new_claim(store: Arc<dyn Store>) {
         Fenced::Lost,
         "completed is not releasable"
     );
+}
+
+async fn completing_twice_with_one_token_is_harmless(store: Arc<dyn Store>) {
+    let scope = scope("twice");
+    let fingerprint = Fingerprint::from_bytes([4; 32]);
+    let ttl = Duration::from_secs(60);
+    let Claim::Claimed(token) = store.claim(&scope, fingerprint, ttl).await.unwrap() else {
+        panic!("free key")
+    };
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: HeaderMap::new(),
+        body: Bytes::from_static(b"once"),
+    };
+    for _ in 0..2 {
+        let fenced = store
+            .complete(&scope, token, fingerprint, &response, ttl)
+            .await
+            .unwrap();
+        assert_eq!(fenced, Fenced::Applied);
+    }
+    match store.claim(&scope, fingerprint, ttl).await.unwrap() {
+        Claim::Completed {
+            response: stored, ..
+        } => assert_eq!(stored, response),
+        other => panic!("expected the completed record, got {other:?}"),
+    }
+    // Another claim still cannot overwrite it.
+    let other = tower_idempotency::ClaimToken::random();
+    let overwrite = StoredResponse {
+        body: Bytes::from_static(b"twice"),
+        ..response.clone()
+    };
+    let fenced = store
+        .complete(&scope, other, fingerprint, &overwrite, ttl)
+        .await
+        .unwrap();
+    assert_eq!(fenced, Fenced::Lost);
+    match store.claim(&scope, fingerprint, ttl).await.unwrap() {
+        Claim::Completed {
+            response: stored, ..
+        } => assert_eq!(stored, response),
+        other => panic!("expected the completed record, got {other:?}"),
+    }
 }
 
 async fn scope_parts_never_splice(store: Arc<dyn Store>) {

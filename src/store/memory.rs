@@ -50,6 +50,9 @@ struct Shard {
 
 struct Entry {
     record: Record,
+    /// The claim that made the record; kept once completed, so a repeated completion by
+    /// the same claim is recognised.
+    token: ClaimToken,
     expires_at: Instant,
 }
 
@@ -150,7 +153,14 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 
 impl Entry {
     fn is_held_by(&self, token: ClaimToken, now: Instant) -> bool {
-        matches!(&self.record, Record::InProgress { token: held, .. } if *held == token)
+        matches!(self.record, Record::InProgress { .. })
+            && self.token == token
+            && self.expires_at > now
+    }
+
+    fn is_completed_by(&self, token: ClaimToken, now: Instant) -> bool {
+        matches!(self.record, Record::Completed { .. })
+            && self.token == token
             && self.expires_at > now
     }
 }
@@ -203,6 +213,7 @@ impl Store for MemoryStore {
             key,
             Entry {
                 record,
+                token,
                 expires_at: now + lease,
             },
         );
@@ -217,13 +228,22 @@ impl Store for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced> {
-        Ok(self.fenced(scope, token, |entry| {
-            entry.record = Record::Completed {
-                fingerprint,
-                response: response.clone(),
-            };
-            entry.expires_at = Instant::now() + ttl;
-        }))
+        let key = scope.storage_key();
+        let mut shard = self.shard(&key);
+        let now = Instant::now();
+        match shard.records.get_mut(&key) {
+            Some(entry) if entry.is_held_by(token, now) => {
+                let response = response.clone();
+                entry.record = Record::Completed {
+                    fingerprint,
+                    response,
+                };
+                entry.expires_at = now + ttl;
+                Ok(Fenced::Applied)
+            }
+            Some(entry) if entry.is_completed_by(token, now) => Ok(Fenced::Applied),
+            _ => Ok(Fenced::Lost),
+        }
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {

@@ -97,6 +97,10 @@ pub trait Store: Debug + Send + Sync + 'static {
 
     /// If `scope` holds the in-progress record made with `token`, replace it with the
     /// completed `response` of the request with `fingerprint`, kept for `ttl`.
+    ///
+    /// Completing again with the same token once the record is completed answers
+    /// [`Fenced::Applied`] and changes nothing that matters: the layer retries a completion
+    /// whose reply was lost.
     async fn complete(
         &self,
         scope: &Scope,

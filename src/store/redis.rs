@@ -9,14 +9,15 @@ use redis::{aio::ConnectionManager, Script, Value};
 use super::{Claim, Error, Fenced, Result, Store};
 use crate::{ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
-/// Whether `KEYS[1]` is the in-progress record holding token `ARGV[1]`. The layout is
-/// [`Record::encode`]'s: version byte, `P`, 32 fingerprint bytes, 16 token bytes.
+/// Reads `KEYS[1]` into `current` and returns 0 unless it is the in-progress record holding
+/// token `ARGV[1]`. The layout is [`Record::encode`]'s: version byte, `P`, 32 fingerprint
+/// bytes, 16 token bytes.
 const FENCE: &str = r"
-local current = redis.call('GET', KEYS[1])
 local held = current and #current == 50 and string.sub(current, 1, 2) == '\1P'
     and string.sub(current, 35) == ARGV[1]
 if not held then return 0 end
 ";
+const READ: &str = "local current = redis.call('GET', KEYS[1])";
 
 /// Returns the record and its remaining milliseconds, or claims the key and returns 0.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
@@ -29,16 +30,22 @@ return 0
 ",
     )
 });
+/// Completing twice with the same record applies once and answers 1 both times, so the
+/// layer may retry a completion whose reply was lost.
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{FENCE} redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1"
+        "{READ} if current == ARGV[2] then return 1 end
+{FENCE} redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1"
     ))
 });
-static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(&format!("{FENCE} redis.call('DEL', KEYS[1]) return 1")));
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{READ} {FENCE} redis.call('DEL', KEYS[1]) return 1"
+    ))
+});
 static EXTEND: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{FENCE} redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1"
+        "{READ} {FENCE} redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1"
     ))
 });
 
