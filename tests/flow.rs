@@ -1,5 +1,6 @@
 //! The request flow of DESIGN.md, run unchanged against every store.
 
+#[macro_use]
 mod support;
 
 use std::{
@@ -12,46 +13,21 @@ use std::{
 
 use axum::{
     body::Body,
-    extract::{Request, State},
+    extract::Request,
     http::{header, HeaderMap, HeaderValue, StatusCode},
-    response::{IntoResponse, Response},
+    response::Response,
     routing, Router,
 };
 use bytes::Bytes;
 use futures_util::{stream::FuturesUnordered, StreamExt};
 use http_body_util::BodyExt;
-use tokio::sync::Semaphore;
 use tower::ServiceExt;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_idempotency::{
-    store::Claim, store::Fenced, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore,
-    Principal, Scope, Store, StoredResponse,
+    store::Claim, store::Fenced, Fingerprint, Principal, Store, StoredResponse,
 };
 
-/// Runs every case once per store: in memory, on the shared Redis (own key prefix) and on
-/// the shared PostgreSQL (own table).
-macro_rules! for_each_store {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
-            $(#[tokio::test]
-            async fn $case() {
-                super::$case(std::sync::Arc::new(super::MemoryStore::new())).await
-            })*
-        }
-        mod redis {
-            $(#[tokio::test]
-            async fn $case() {
-                super::$case(super::support::shared_redis_store(stringify!($case)).await).await
-            })*
-        }
-        mod postgres {
-            $(#[tokio::test]
-            async fn $case() {
-                super::$case(super::support::shared_postgres_store().await).await
-            })*
-        }
-    };
-}
+use support::app::*;
 
 for_each_store!(
     first_execution_then_byte_exact_replay,
@@ -83,155 +59,6 @@ for_each_store!(
     plain_service_fn_is_protected,
     fingerprint_headers_are_part_of_the_parameters,
 );
-
-// ---------------------------------------------------------------------------------------
-// The application under test: one handler whose behaviour the request's headers choose.
-
-#[derive(Clone)]
-struct Handler {
-    executions: Arc<AtomicUsize>,
-    /// Requests with `x-wait` wait here for a permit the test hands out.
-    gate: Arc<Semaphore>,
-}
-
-impl Default for Handler {
-    fn default() -> Self {
-        Self {
-            executions: Arc::default(),
-            gate: Arc::new(Semaphore::new(0)),
-        }
-    }
-}
-
-impl Handler {
-    fn executions(&self) -> usize {
-        self.executions.load(Ordering::SeqCst)
-    }
-}
-
-async fn handle(State(handler): State<Handler>, request: Request) -> Response {
-    let n = handler.executions.fetch_add(1, Ordering::SeqCst) + 1;
-    let headers = request.headers().clone();
-    let flag = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
-    if let Some(ms) = flag("x-sleep-ms") {
-        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
-    }
-    if flag("x-wait").is_some() {
-        handler.gate.acquire().await.unwrap().forget();
-    }
-    if flag("x-panic").is_some() {
-        panic!("handler panicked on purpose");
-    }
-    let status = flag("x-status").map_or(StatusCode::CREATED, |s| s.parse().unwrap());
-    if let Some(len) = flag("x-body-len") {
-        return (status, vec![b'x'; len.parse().unwrap()]).into_response();
-    }
-    if flag("x-binary").is_some() {
-        let bytes: [u8; 64] = rand::random();
-        return (status, bytes.to_vec()).into_response();
-    }
-    let body = request.into_body().collect().await.unwrap().to_bytes();
-    let mut response = (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        format!(
-            r#"{{"execution":{n},"echo":{:?}}}"#,
-            String::from_utf8_lossy(&body)
-        ),
-    )
-        .into_response();
-    let out = response.headers_mut();
-    out.append(header::SET_COOKIE, HeaderValue::from_static("a=1"));
-    out.append(header::SET_COOKIE, HeaderValue::from_static("b=2"));
-    response
-}
-
-fn router(handler: &Handler, layer: IdempotencyLayer) -> Router {
-    Router::new()
-        .route("/pay", routing::post(handle).get(handle).put(handle))
-        .route("/other", routing::post(handle))
-        .layer(layer)
-        .with_state(handler.clone())
-}
-
-fn layer(store: &Arc<dyn Store>) -> IdempotencyLayer {
-    IdempotencyLayer::from_shared(store.clone())
-}
-
-/// A request under construction: `post("/pay").key("k").body("{}")`.
-struct Req(axum::http::request::Builder, Body);
-
-fn post(path: &str) -> Req {
-    Req(Request::post(path), Body::empty())
-}
-
-impl Req {
-    fn key(self, key: &str) -> Self {
-        self.header("idempotency-key", key)
-    }
-    fn header(self, name: &str, value: &str) -> Self {
-        Req(self.0.header(name, value), self.1)
-    }
-    fn method(self, method: &str) -> Self {
-        Req(self.0.method(method), self.1)
-    }
-    fn body(self, body: impl Into<Body>) -> Self {
-        Req(self.0, body.into())
-    }
-    fn build(self) -> Request {
-        self.0.body(self.1).unwrap()
-    }
-}
-
-/// A response read whole.
-#[derive(Debug)]
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Answer {
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap()
-    }
-    fn error(&self) -> String {
-        self.json()["error"].as_str().unwrap_or_default().to_owned()
-    }
-}
-
-async fn send(app: &Router, req: Req) -> Answer {
-    read(app.clone().oneshot(req.build()).await.unwrap()).await
-}
-
-async fn read<B>(response: Response<B>) -> Answer
-where
-    B: http_body::Body,
-    B::Error: std::fmt::Debug,
-{
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.unwrap().to_bytes();
-    Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body,
-    }
-}
-
-fn scope(key: &str) -> Scope {
-    let key = IdempotencyKey::parse(&HeaderValue::from_str(key).unwrap()).unwrap();
-    Scope::new(None, "POST /pay".to_owned(), key)
-}
 
 // ---------------------------------------------------------------------------------------
 // Cases.
@@ -440,21 +267,6 @@ async fn in_progress_conflict_says_when_to_retry(store: Arc<dyn Store>) {
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     assert!(send(&app, post_waiting("p")).await.replayed());
     assert_eq!(handler.executions(), 1);
-}
-
-fn post_waiting(key: &str) -> Req {
-    post("/pay").key(key).header("x-wait", "1")
-}
-
-/// Waits (bounded) until the handler has started `n` executions.
-async fn until_executing(handler: &Handler, n: usize) {
-    for _ in 0..500 {
-        if handler.executions() >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the handler never reached {n} executions");
 }
 
 async fn concurrent_duplicates_execute_once(store: Arc<dyn Store>) {

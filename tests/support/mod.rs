@@ -1,7 +1,35 @@
 //! Shared by the integration tests: stores to run against, and a throwaway Redis server.
 #![allow(dead_code)]
 
+pub mod app;
 pub mod redis_server;
+
+/// Runs each listed `async fn case(store: Arc<dyn Store>)` once per store, as
+/// `memory::case`, `redis::case` (shared Redis, own key prefix) and `postgres::case`
+/// (shared PostgreSQL, own table).
+#[allow(unused_macros)] // Not every test file runs cases per store.
+macro_rules! for_each_store {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(std::sync::Arc::new(tower_idempotency::MemoryStore::new())).await
+            })*
+        }
+        mod redis {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(crate::support::shared_redis_store(stringify!($case)).await).await
+            })*
+        }
+        mod postgres {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(crate::support::shared_postgres_store().await).await
+            })*
+        }
+    };
+}
 
 use std::sync::Arc;
 
