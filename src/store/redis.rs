@@ -53,6 +53,12 @@ static EXTEND: LazyLock<Script> = LazyLock::new(|| {
 /// long for Redis before the layer answers `503` (fail closed).
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
+/// A request waiting on a reconnection waits for these few quick attempts only: during an
+/// outage it must get its `503` in well under a second, not after a long backoff. The next
+/// request tries again, so recovery is as fast as Redis comes back.
+const RECONNECT_RETRIES: usize = 2;
+const RECONNECT_MIN_DELAY: Duration = Duration::from_millis(20);
+const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 
 /// A store in Redis: the production default.
 ///
@@ -107,12 +113,16 @@ impl From<redis::RedisError> for Error {
 
 impl RedisStore {
     /// Connects to `url` (`redis://host:port/db`) with a reconnecting connection whose
-    /// commands time out after 2 seconds.
+    /// commands time out after 2 seconds; while Redis is unreachable, a request fails after
+    /// two quick reconnection attempts instead of waiting out a long backoff.
     pub async fn open(url: &str) -> Result<Self, RedisStoreError> {
         let client = redis::Client::open(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_connection_timeout(Some(CONNECTION_TIMEOUT));
+            .set_connection_timeout(Some(CONNECTION_TIMEOUT))
+            .set_number_of_retries(RECONNECT_RETRIES)
+            .set_min_delay(RECONNECT_MIN_DELAY)
+            .set_max_delay(RECONNECT_MAX_DELAY);
         let connection = ConnectionManager::new_with_config(client, config).await?;
         Ok(Self::new(connection))
     }

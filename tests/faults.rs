@@ -1,0 +1,147 @@
+//! DESIGN.md steps 7, 8 and 10 under injected faults: a holder that loses its lease, a
+//! store that fails after the handler ran, and a panic among concurrent requests.
+
+#[macro_use]
+mod support;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::http::StatusCode;
+use futures_util::future::join_all;
+use support::{app::*, logs::Logs, redis_server::RedisServer};
+use tower_idempotency::{RedisStore, Store};
+
+for_each_store!(
+    stale_holder_is_fenced_warned_and_still_answers,
+    a_panic_leaves_concurrent_requests_on_other_keys_alone,
+);
+
+async fn stale_holder_is_fenced_warned_and_still_answers(store: Arc<dyn Store>) {
+    let (logs, _guard) = Logs::capture();
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).lease(Duration::from_millis(200)));
+    // A blocks its thread past its lease (nothing can renew it), then waits at the gate.
+    let a = tokio::spawn({
+        let app = app.clone();
+        async move {
+            let stalled = post("/pay").key("stale").header("x-block-ms", "500");
+            send(&app, stalled.header("x-wait", "1")).await
+        }
+    });
+    until_executing(&handler, 1).await;
+    // The lease ran out: B claims the key and completes it.
+    let b = send(&app, post("/pay").key("stale")).await;
+    assert_eq!((b.status, b.replayed()), (StatusCode::CREATED, false));
+    assert!(b.body.starts_with(br#"{"execution":2"#), "{b:?}");
+
+    handler.gate.add_permits(1);
+    let a = a.await.unwrap();
+    assert_eq!(
+        a.status,
+        StatusCode::CREATED,
+        "A still answers its own client"
+    );
+    assert!(a.body.starts_with(br#"{"execution":1"#), "{a:?}");
+    // A's late completion was fenced off: B's response is the record.
+    let retry = send(&app, post("/pay").key("stale")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, b.body);
+    assert_eq!(handler.executions(), 2);
+    assert!(logs.has("WARN", "lease lost"), "{}", logs.dump());
+    assert!(
+        logs.has("WARN", "claim lost before the response was recorded"),
+        "{}",
+        logs.dump()
+    );
+}
+
+async fn a_panic_leaves_concurrent_requests_on_other_keys_alone(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    let panicking = tokio::spawn({
+        let app = app.clone();
+        async move {
+            let request = post("/pay").key("boom").header("x-sleep-ms", "100");
+            send(&app, request.header("x-panic", "1")).await
+        }
+    });
+    let others = join_all((0..8).map(|i| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let request = post("/pay")
+                .key(&format!("calm-{i}"))
+                .header("x-sleep-ms", "200");
+            send(&app, request).await
+        })
+    }))
+    .await;
+    assert!(panicking.await.unwrap_err().is_panic());
+    for (i, answer) in others.into_iter().enumerate() {
+        let answer = answer.unwrap();
+        assert_eq!(answer.status, StatusCode::CREATED);
+        let retry = send(&app, post("/pay").key(&format!("calm-{i}"))).await;
+        assert!(retry.replayed());
+        assert_eq!(retry.body, answer.body);
+    }
+    let retry = send(&app, post("/pay").key("boom")).await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, false)
+    );
+    assert_eq!(handler.executions(), 10);
+}
+
+/// Redis dies while the handler runs: the client still gets the handler's response, and
+/// the failed recording is logged. The restarted Redis is empty (it keeps nothing on disk
+/// here), so the record is gone and a retry executes again — the documented outcome.
+#[tokio::test]
+async fn store_failure_after_the_handler_ran_still_answers() {
+    let (logs, _guard) = Logs::capture();
+    let mut server = RedisServer::start();
+    let store: Arc<dyn Store> = Arc::new(RedisStore::open(&server.url()).await.unwrap());
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_waiting("k").body("amount=1")).await }
+    });
+    until_executing(&handler, 1).await;
+    server.stop();
+    handler.gate.add_permits(1);
+    let answer = tokio::time::timeout(Duration::from_secs(30), first)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert!(answer.body.starts_with(br#"{"execution":1"#));
+    assert!(
+        logs.has("ERROR", "could not record the response"),
+        "{}",
+        logs.dump()
+    );
+    assert!(
+        logs.has("WARN", "retrying"),
+        "the write was retried: {}",
+        logs.dump()
+    );
+
+    server.restart();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let retry = loop {
+        let retry = send(&app, post("/pay").key("k").body("amount=1")).await;
+        if retry.status != StatusCode::SERVICE_UNAVAILABLE {
+            break retry;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "Redis never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, false),
+        "{retry:?}"
+    );
+    assert_eq!(handler.executions(), 2);
+}
