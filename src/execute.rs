@@ -24,6 +24,9 @@ const WRITE_RETRY_BACKOFF: std::time::Duration = std::time::Duration::from_milli
 
 /// Claims `scope` and answers: a replay, a conflict, or the inner service's response
 /// (recorded unless released).
+///
+/// Only an execution runs in a task of its own, so that a client disconnecting cannot
+/// cancel it or its recording; replays and conflicts are answered in place.
 pub(crate) async fn run<S, ReqBody, ResBody>(
     mut inner: S,
     store: Arc<dyn Store>,
@@ -33,12 +36,24 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     request: Request<ReqBody>,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: Body<Data = Bytes> + Unpin,
-    ResBody::Error: fmt::Display,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
+    ResBody::Error: fmt::Display + Send,
 {
-    let token = match store.claim(&scope, fingerprint, config.lease).await {
-        Ok(Claim::Claimed(token)) => token,
+    let token = ClaimToken::random();
+    let claim = {
+        let abandoned = AbandonedClaim::arm(&store, &scope, token);
+        let claim = store
+            .claim_with_token(&scope, fingerprint, token, config.lease)
+            .await;
+        abandoned.disarm();
+        claim
+    };
+    match claim {
+        Ok(Claim::Claimed(_)) => {}
         Ok(
             Claim::Completed {
                 fingerprint: theirs,
@@ -75,29 +90,56 @@ where
             );
             return Ok(Rejection::StoreUnavailable.into_response());
         }
-    };
-
-    let claim = Held {
+    }
+    // No await between the claim's answer and this spawn: once claimed, the execution is
+    // owned by its task whatever happens to this future.
+    let held = Held {
         store,
         config,
         scope,
         token,
     };
-    let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
-    match claim.renew_while(call).await {
-        Err(panic) => {
-            claim.release("the handler panicked").await;
-            std::panic::resume_unwind(panic)
+    match tokio::spawn(held.execute(inner, fingerprint, request)).await {
+        Ok(result) => result,
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        // Only a runtime shutting down cancels the task; the claim's lease frees the key.
+        Err(_) => Ok(Rejection::StoreUnavailable.into_response()),
+    }
+}
+
+/// Releases a claim whose answer its request never saw (the request was dropped while
+/// the claim was in flight). Release is fenced by the token, so releasing a claim that did
+/// not happen is harmless.
+struct AbandonedClaim<'a> {
+    armed: Option<(&'a Arc<dyn Store>, &'a Scope, ClaimToken)>,
+}
+
+impl<'a> AbandonedClaim<'a> {
+    fn arm(store: &'a Arc<dyn Store>, scope: &'a Scope, token: ClaimToken) -> Self {
+        Self {
+            armed: Some((store, scope, token)),
         }
-        Ok(Err(error)) => {
-            claim.release("the inner service failed").await;
-            Err(error)
-        }
-        Ok(Ok(response)) if (claim.config.release_on)(response.status()) => {
-            claim.release("the response status releases the key").await;
-            Ok(response.map(ResponseBody::inner))
-        }
-        Ok(Ok(response)) => Ok(claim.record(fingerprint, response).await),
+    }
+
+    fn disarm(mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for AbandonedClaim<'_> {
+    fn drop(&mut self) {
+        let Some((store, scope, token)) = self.armed.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, scope) = (store.clone(), scope.clone());
+        runtime.spawn(async move {
+            if let Err(error) = store.release(&scope, token).await {
+                tracing::warn!(key = %scope.key(), %error, "could not release an abandoned claim: it frees itself after one lease");
+            }
+        });
     }
 }
 
@@ -110,6 +152,36 @@ struct Held {
 }
 
 impl Held {
+    /// Runs the inner service, keeping the lease alive, then records or releases.
+    async fn execute<S, ReqBody, ResBody>(
+        self,
+        mut inner: S,
+        fingerprint: Fingerprint,
+        request: Request<ReqBody>,
+    ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+        ResBody: Body<Data = Bytes> + Unpin,
+        ResBody::Error: fmt::Display,
+    {
+        let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
+        match self.renew_while(call).await {
+            Err(panic) => {
+                self.release("the handler panicked").await;
+                std::panic::resume_unwind(panic)
+            }
+            Ok(Err(error)) => {
+                self.release("the inner service failed").await;
+                Err(error)
+            }
+            Ok(Ok(response)) if (self.config.release_on)(response.status()) => {
+                self.release("the response status releases the key").await;
+                Ok(response.map(ResponseBody::inner))
+            }
+            Ok(Ok(response)) => Ok(self.record(fingerprint, response).await),
+        }
+    }
+
     /// Drives `future` to completion, renewing the lease every third of it.
     async fn renew_while<F: Future>(&self, future: F) -> F::Output {
         let lease = self.config.lease;

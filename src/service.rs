@@ -88,8 +88,7 @@ where
     }
 }
 
-/// Buffers and fingerprints a keyed request, then claims and executes it in a task of its
-/// own, so that a client disconnecting cannot cancel the execution or its recording.
+/// Buffers and fingerprints a keyed request, then claims and answers it.
 async fn keyed<S, ReqBody, ResBody>(
     inner: S,
     store: Arc<dyn Store>,
@@ -115,13 +114,7 @@ where
     let scope = Scope::new(principal, endpoint(&config.endpoint, &parts), key);
     let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
     let request = Request::from_parts(parts, ReqBody::from(body));
-    let execution = execute::run(inner, store, config, scope, fingerprint, request);
-    match tokio::spawn(execution).await {
-        Ok(result) => result,
-        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-        // Only a runtime shutting down cancels the task; the claim's lease frees the key.
-        Err(_) => Ok(Rejection::StoreUnavailable.into_response()),
-    }
+    execute::run(inner, store, config, scope, fingerprint, request).await
 }
 
 async fn buffer_request<B>(parts: &Parts, body: B, limit: usize) -> Result<Bytes, Rejection>

@@ -145,3 +145,35 @@ async fn store_failure_after_the_handler_ran_still_answers() {
     );
     assert_eq!(handler.executions(), 2);
 }
+
+/// A client that goes away while its claim is in flight must not leave the key held for a
+/// whole lease: the layer releases the claim it never saw answered.
+#[tokio::test]
+async fn a_request_dropped_mid_claim_frees_its_key() {
+    let server = RedisServer::start();
+    let store: Arc<dyn Store> = Arc::new(RedisStore::open(&server.url()).await.unwrap());
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).lease(Duration::from_secs(60)));
+    // Warm the connection and the scripts, so the claim below is the one Redis holds back.
+    send(&app, post("/pay").key("warm")).await;
+
+    server.cli(&["CLIENT", "PAUSE", "700", "ALL"]);
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(200),
+        send(&app, post("/pay").key("dropped")),
+    )
+    .await;
+    assert!(
+        dropped.is_err(),
+        "the claim should still be held back by the pause"
+    );
+    // After the pause Redis applies the claim, then the release sent when it was dropped.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let retry = send(&app, post("/pay").key("dropped")).await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, false),
+        "{retry:?}"
+    );
+    assert_eq!(handler.executions(), 2);
+}

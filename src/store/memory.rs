@@ -177,10 +177,11 @@ impl Shard {
 
 #[async_trait]
 impl Store for MemoryStore {
-    async fn claim(
+    async fn claim_with_token(
         &self,
         scope: &Scope,
         fingerprint: Fingerprint,
+        token: ClaimToken,
         lease: Duration,
     ) -> Result<Claim> {
         let now = Instant::now();
@@ -207,7 +208,6 @@ impl Store for MemoryStore {
         {
             return Err(Error::Backend("memory store is full".into()));
         }
-        let token = ClaimToken::random();
         let record = Record::InProgress { fingerprint, token };
         shard.records.insert(
             key,

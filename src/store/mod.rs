@@ -86,14 +86,30 @@ pub enum Fenced {
 #[async_trait]
 pub trait Store: Debug + Send + Sync + 'static {
     /// Atomically: if `scope` has no live record, store an in-progress record with
-    /// `fingerprint`, a fresh token and `lease`, and return [`Claim::Claimed`]; otherwise
-    /// return the live record unchanged.
+    /// `fingerprint`, `token` and `lease`, and return [`Claim::Claimed`] with `token`;
+    /// otherwise return the live record unchanged.
+    ///
+    /// The caller chooses the token so that it can release a claim whose reply it never
+    /// saw (a request dropped mid-claim): release is fenced, so releasing a claim that did
+    /// not happen changes nothing.
+    async fn claim_with_token(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> Result<Claim>;
+
+    /// [`claim_with_token`](Self::claim_with_token) with a fresh random token.
     async fn claim(
         &self,
         scope: &Scope,
         fingerprint: Fingerprint,
         lease: Duration,
-    ) -> Result<Claim>;
+    ) -> Result<Claim> {
+        self.claim_with_token(scope, fingerprint, ClaimToken::random(), lease)
+            .await
+    }
 
     /// If `scope` holds the in-progress record made with `token`, replace it with the
     /// completed `response` of the request with `fingerprint`, kept for `ttl`.

@@ -396,15 +396,15 @@ fn decode_claim(row: &Row) -> Result<Claim> {
 
 #[async_trait]
 impl Store for PostgresStore {
-    async fn claim(
+    async fn claim_with_token(
         &self,
         scope: &Scope,
         fingerprint: Fingerprint,
+        token: ClaimToken,
         lease: Duration,
     ) -> Result<Claim> {
         let client = self.pool.get().await?;
         let statement = client.prepare_cached(&self.table.claim).await?;
-        let token = ClaimToken::random();
         let (key, endpoint, principal) = (scope.key().as_str(), scope.endpoint(), principal(scope));
         let (hash, token_bytes, lease) = (
             fingerprint.as_bytes().as_slice(),

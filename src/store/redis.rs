@@ -190,13 +190,13 @@ fn millis(duration: Duration) -> u64 {
 
 #[async_trait]
 impl Store for RedisStore {
-    async fn claim(
+    async fn claim_with_token(
         &self,
         scope: &Scope,
         fingerprint: Fingerprint,
+        token: ClaimToken,
         lease: Duration,
     ) -> Result<Claim> {
-        let token = ClaimToken::random();
         let record = Record::InProgress { fingerprint, token }.encode();
         let reply: Value = CLAIM
             .key(self.redis_key(scope))
