@@ -7,7 +7,9 @@
 //! ```
 //!
 //! Environment: `PAYMENTS_ADDR` (default `127.0.0.1:3000`), `REDIS_URL`, `DATABASE_URL`,
-//! `IDEMPOTENCY_TTL_SECS`, `IDEMPOTENCY_LEASE_SECS`.
+//! `IDEMPOTENCY_TTL_SECS`, `IDEMPOTENCY_LEASE_SECS`; `PAYMENTS_STATS=payments` makes
+//! `GET /v1/stats` report the payments counter alone, for load harnesses that read one
+//! number from it.
 
 mod app;
 
@@ -33,7 +35,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let store = store().await?;
     tracing::info!(?store, ?timing, "payments store");
-    let (app, _stats) = app::router(store, timing);
+    let (app, stats) = app::router(store, timing);
+    if std::env::var("PAYMENTS_STATS").as_deref() == Ok("payments") {
+        stats.report_payments_only();
+    }
 
     let addr = std::env::var("PAYMENTS_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(&addr).await?;

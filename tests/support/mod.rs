@@ -2,8 +2,8 @@
 #![allow(dead_code)]
 
 pub mod app;
-pub mod payments;
 pub mod logs;
+pub mod payments;
 pub mod redis_server;
 
 /// Runs each listed `async fn case(store: Arc<dyn Store>)` once per store, as

@@ -1,0 +1,258 @@
+//! A holder that crashes, with real processes. Two `payments` example binaries share a
+//! store: process A takes a slow payment and is killed (SIGKILL) while its handler runs, so
+//! nothing releases its key. Process B must answer `409` to the retry while A's lease runs,
+//! then execute the retry once, after the lease ran out. A holder that stays alive renews
+//! its lease, so B never executes a payment A is still running, however long it takes.
+//!
+//! Redis is the suite's shared server (`REDIS_URL`, else 127.0.0.1:6379); keys and users
+//! are unique, and the records expire after [`TTL_SECS`]. PostgreSQL runs in a database of
+//! the test's own on the shared server (`DATABASE_URL`, else the local default), where the
+//! example migrates its `public.idempotency_keys`; the database is dropped at the end.
+
+mod support;
+
+use std::{net::SocketAddr, time::Duration};
+
+use serde_json::Value;
+use support::payments::{
+    eventually_within, fresh_key, raw_payment, slow_charge, Api, ExampleProcess, Reply, DEADLINE,
+};
+use tokio::{io::AsyncWriteExt, net::TcpStream, task::JoinHandle, time::Instant};
+
+/// The lease of the crash tests, in seconds: a crashed holder's key is taken for this long.
+const CRASH_LEASE_SECS: u64 = 3;
+/// How long a crashed holder's key may stay taken before the test fails: the lease, and slack.
+const TAKEOVER_DEADLINE: Duration = Duration::from_secs(15);
+/// How long completed records are kept: enough for a test, short enough not to linger.
+const TTL_SECS: &str = "120";
+
+// ---------------------------------------------------------------------------------------
+// The tests.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn redis_crashed_holder_frees_its_key_after_the_lease() {
+    crashed_holder_frees_its_key_after_the_lease(("REDIS_URL", &support::redis_url())).await;
+}
+
+#[tokio::test]
+async fn postgres_crashed_holder_frees_its_key_after_the_lease() {
+    let database = Database::create().await;
+    crashed_holder_frees_its_key_after_the_lease(("DATABASE_URL", database.url())).await;
+}
+
+/// With a 2 s lease, a 7 s handler on A (more than three leases) keeps its key: B is told
+/// to wait at ~3 s and ~6 s, never executes, and replays A's answer once A is done.
+#[tokio::test]
+async fn redis_long_handler_stays_protected_while_its_holder_lives() {
+    let (a, b) = start_two(("REDIS_URL", &support::redis_url()), 2).await;
+    let payment = Payment::slow(Duration::from_secs(7));
+
+    let first = payment.send_in_background(a.api());
+    a.api().wait_for_payments(1).await;
+    let started = Instant::now();
+    for secs in [3, 6] {
+        tokio::time::sleep_until(started + Duration::from_secs(secs)).await;
+        payment.send(b.api()).await.assert_in_progress();
+        assert_payments(b.api(), 0).await;
+    }
+
+    let first = first.await.expect("A's answer");
+    first.assert_fresh();
+    first.assert_payment(700, "usd");
+    payment.send(b.api()).await.assert_replay_of(&first);
+    assert_payments(b.api(), 0).await;
+    assert_payments(a.api(), 1).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// The crash, on any store.
+// ---------------------------------------------------------------------------------------
+
+/// A is killed while it executes; B, on the same `store`, takes the key over only after
+/// A's lease ran out, executes the retry once, and replays it afterwards.
+async fn crashed_holder_frees_its_key_after_the_lease(store: (&str, &str)) {
+    // B starts before the crash: its start-up must not eat into A's lease.
+    let (mut a, b) = start_two(store, CRASH_LEASE_SECS).await;
+    let payment = Payment::slow(Duration::from_secs(20));
+
+    let connection = payment.send_unanswered(a.addr()).await;
+    a.api().wait_for_payments(1).await;
+    a.kill();
+    drop(connection);
+
+    // A's lease still runs: B must not execute.
+    let retry_after = payment.send(b.api()).await.assert_in_progress();
+    assert!(
+        retry_after <= CRASH_LEASE_SECS,
+        "retry_after {retry_after} with a {CRASH_LEASE_SECS} s lease"
+    );
+    assert_payments(b.api(), 0).await;
+
+    // The retry that gets through runs the whole slow handler on B: `Payment::send` waits
+    // for it.
+    let taken_over = eventually_within(
+        TAKEOVER_DEADLINE,
+        "the crashed holder's lease to run out",
+        async || {
+            let reply = payment.send(b.api()).await;
+            if reply.error_code().as_deref() != Some("request_in_progress") {
+                return Some(reply);
+            }
+            reply.assert_in_progress();
+            assert_payments(b.api(), 0).await;
+            None
+        },
+    )
+    .await;
+    taken_over.assert_fresh();
+    taken_over.assert_payment(700, "usd");
+    assert_payments(b.api(), 1).await;
+
+    payment.send(b.api()).await.assert_replay_of(&taken_over);
+    assert_payments(b.api(), 1).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Helpers.
+// ---------------------------------------------------------------------------------------
+
+/// Two example processes on `store` (`("REDIS_URL", url)` or `("DATABASE_URL", url)`) with
+/// a lease of `lease_secs`.
+async fn start_two(store: (&str, &str), lease_secs: u64) -> (ExampleProcess, ExampleProcess) {
+    let lease_secs = lease_secs.to_string();
+    let env = [
+        store,
+        ("IDEMPOTENCY_LEASE_SECS", &lease_secs),
+        ("IDEMPOTENCY_TTL_SECS", TTL_SECS),
+    ];
+    let a = ExampleProcess::start(&env).await;
+    let b = a.start_another().await;
+    (a, b)
+}
+
+async fn assert_payments(api: &Api, executed: u64) {
+    let stats = api.stats().await;
+    assert_eq!(
+        stats.payments_executed,
+        executed,
+        "payment executions on {}",
+        api.addr()
+    );
+}
+
+/// One payment as a client retries it: the same key, user and body every time.
+#[derive(Clone)]
+struct Payment {
+    key: String,
+    user: String,
+    body: Value,
+    delay: Duration,
+}
+
+impl Payment {
+    /// A payment with a key and a user of its own, whose handler sleeps `delay`.
+    fn slow(delay: Duration) -> Self {
+        let delay_ms = u64::try_from(delay.as_millis()).expect("a delay in milliseconds");
+        Self {
+            key: fresh_key(),
+            user: format!("crash-{:016x}", rand::random::<u64>()),
+            body: slow_charge(delay_ms),
+            delay,
+        }
+    }
+
+    /// Sends it and waits for the answer, for as long as the handler may sleep and then
+    /// [`DEADLINE`].
+    async fn send(&self, api: &Api) -> Reply {
+        api.post("/v1/payments")
+            .key(&self.key)
+            .user(&self.user)
+            .json(&self.body)
+            .timeout(self.delay + DEADLINE)
+            .send()
+            .await
+    }
+
+    /// [`Payment::send`] in a task of its own.
+    fn send_in_background(&self, api: &Api) -> JoinHandle<Reply> {
+        let (payment, api) = (self.clone(), api.clone());
+        tokio::spawn(async move { payment.send(&api).await })
+    }
+
+    /// Sends it on a connection of its own and returns the connection unread: for a
+    /// server that will not live to answer.
+    async fn send_unanswered(&self, addr: SocketAddr) -> TcpStream {
+        let mut connection = TcpStream::connect(addr).await.expect("connect");
+        connection
+            .write_all(&raw_payment(&self.key, &self.user, &self.body))
+            .await
+            .expect("send the payment");
+        connection
+    }
+}
+
+/// A database of the test's own on the shared PostgreSQL server; dropped, with any
+/// connections still open to it, when this is.
+struct Database {
+    name: String,
+    url: String,
+}
+
+impl Database {
+    async fn create() -> Self {
+        let server = support::database_url();
+        let name = format!("idempotency_crash_{:016x}", rand::random::<u64>());
+        support::store_client(&server)
+            .await
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap_or_else(|e| panic!("CREATE DATABASE {name} on {server}: {e}"));
+        let url = with_database(&server, &name);
+        Self { name, url }
+    }
+
+    fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+impl Drop for Database {
+    fn drop(&mut self) {
+        // `drop` cannot await, and blocking the test's runtime on a future of its own would
+        // stall it: drop the database from a thread with a runtime of its own.
+        let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            runtime.block_on(async {
+                let client = support::store_client(&support::database_url()).await;
+                client.batch_execute(&sql).await.map_err(|e| e.to_string())
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop the database {}: {dropped:?}", self.name);
+        }
+    }
+}
+
+/// `url` (`postgres://user@host:port/db?options`) naming the database `name` instead.
+fn with_database(url: &str, name: &str) -> String {
+    let (base, options) = url
+        .split_once('?')
+        .map_or((url, None), |(b, o)| (b, Some(o)));
+    let host = base
+        .find("://")
+        .unwrap_or_else(|| panic!("DATABASE_URL {url} is not a postgres:// URL"))
+        + 3;
+    let server = base[host..]
+        .find('/')
+        .map_or(base, |slash| &base[..host + slash]);
+    match options {
+        Some(options) => format!("{server}/{name}?{options}"),
+        None => format!("{server}/{name}"),
+    }
+}
