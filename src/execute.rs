@@ -1,6 +1,8 @@
 //! A claimed key: execute once, keep the lease alive, record or release the outcome.
 
-use std::{fmt, future::Future, panic::AssertUnwindSafe, pin::pin, sync::Arc};
+use std::{
+    convert::Infallible, fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration,
+};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
@@ -20,7 +22,7 @@ use crate::{
 /// Attempts at completing or releasing a claim before giving up, and the first pause
 /// between them (quadrupled each time: 25, 100 ms).
 const WRITE_ATTEMPTS: usize = 3;
-const WRITE_RETRY_BACKOFF: std::time::Duration = std::time::Duration::from_millis(25);
+const WRITE_RETRY_BACKOFF: Duration = Duration::from_millis(25);
 
 /// Claims `scope` and answers: a replay, a conflict, or the inner service's response
 /// (recorded unless released).
@@ -184,29 +186,37 @@ impl Held {
 
     /// Drives `future` to completion, renewing the lease every third of it.
     async fn renew_while<F: Future>(&self, future: F) -> F::Output {
+        // The renewals run beside the handler, never in its way: a slow store delays a
+        // renewal, not the handler's next poll. Their schedule starts now, not when first
+        // polled, so a handler that blocks its thread finds its renewal overdue.
+        let period = self.config.lease / 3;
+        let first = tokio::time::Instant::now() + period;
+        tokio::select! {
+            biased;
+            output = future => output,
+            never = self.renew_lease(first, period) => match never {},
+        }
+    }
+
+    /// Renews the lease every `period` from `first`, until the claim is lost.
+    async fn renew_lease(&self, first: tokio::time::Instant, period: Duration) -> Infallible {
         let lease = self.config.lease;
-        let period = lease / 3;
-        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let mut ticks = tokio::time::interval_at(first, period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut future = pin!(future);
-        let mut renewing = true;
         loop {
-            tokio::select! {
-                biased;
-                output = &mut future => return output,
-                _ = ticks.tick(), if renewing => {
-                    match self.store.extend(&self.scope, self.token, lease).await {
-                        Ok(Fenced::Applied) => {}
-                        Ok(Fenced::Lost) => {
-                            renewing = false;
-                            self.warn("lease lost while the handler ran: another request may execute this key");
-                        }
-                        Err(error) => tracing::warn!(
-                            principal = self.scope.principal(), endpoint = self.scope.endpoint(),
-                            key = %self.scope.key(), %error, "could not renew the idempotency lease"
-                        ),
-                    }
+            ticks.tick().await;
+            match self.store.extend(&self.scope, self.token, lease).await {
+                Ok(Fenced::Applied) => {}
+                Ok(Fenced::Lost) => {
+                    self.warn(
+                        "lease lost while the handler ran: another request may execute this key",
+                    );
+                    return std::future::pending().await;
                 }
+                Err(error) => tracing::warn!(
+                    principal = self.scope.principal(), endpoint = self.scope.endpoint(),
+                    key = %self.scope.key(), %error, "could not renew the idempotency lease"
+                ),
             }
         }
     }
