@@ -33,7 +33,7 @@ export FLUSH_CMD="redis-cli -p $port flushall" REDIS_CLI="redis-cli -p $port"
 export CARGO_TARGET_DIR="$work/peers-target" BENCH_OUT="$work/results/$(date -u +%Y%m%dT%H%M%SZ)"
 ours=(
   "ours_redis=env PAYMENTS_STATS=payments RUST_LOG=warn REDIS_URL=$REDIS_URL $work/payments"
-  "ours_memory=env PAYMENTS_STATS=payments RUST_LOG=warn $work/payments"
+  "ours_memory=env -u REDIS_URL -u DATABASE_URL PAYMENTS_STATS=payments RUST_LOG=warn $work/payments"
 )
 for pass in $(seq "$passes"); do
   echo "== pass $pass of $passes"

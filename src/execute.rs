@@ -1,7 +1,8 @@
 //! A claimed key: execute once, keep the lease alive, record or release the outcome.
 
 use std::{
-    convert::Infallible, fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration,
+    convert::Infallible, fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, task::Poll,
+    time::Duration,
 };
 
 use bytes::{Bytes, BytesMut};
@@ -93,15 +94,21 @@ where
             return Ok(Rejection::StoreUnavailable.into_response());
         }
     }
-    // No await between the claim's answer and this spawn: once claimed, the execution is
-    // owned by its task whatever happens to this future.
     let held = Held {
         store,
         config,
         scope,
         token,
     };
-    match tokio::spawn(held.execute(inner, fingerprint, request)).await {
+    let mut execution = Box::pin(held.execute(inner, fingerprint, request));
+    // Polled once in place: a handler that answers at once on a store that records at once
+    // (in memory) leaves nothing to protect. Otherwise the execution moves to a task of its
+    // own before this future can next be dropped: there is no await in between.
+    let first_poll = std::future::poll_fn(|cx| Poll::Ready(execution.as_mut().poll(cx))).await;
+    if let Poll::Ready(result) = first_poll {
+        return result;
+    }
+    match tokio::spawn(execution).await {
         Ok(result) => result,
         Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
         // Only a runtime shutting down cancels the task; the claim's lease frees the key.
