@@ -184,3 +184,29 @@ async fn a_request_dropped_mid_claim_frees_its_key() {
     );
     assert_eq!(handler.executions(), 2);
 }
+
+/// Fail-open is explicit, executes while the store is down, and logs every such request.
+#[tokio::test]
+async fn fail_open_executes_without_the_store_and_logs_each_request() {
+    let (logs, _guard) = Logs::capture();
+    let mut server = RedisServer::start();
+    let client = tower_idempotency::redis::Client::open(server.url()).unwrap();
+    let store: Arc<dyn Store> = Arc::new(RedisStore::from_client(client).await.unwrap());
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).fail_open());
+    server.stop();
+    for _ in 0..2 {
+        let answer = send(&app, post("/pay").key("open")).await;
+        assert_eq!(
+            (answer.status, answer.replayed()),
+            (StatusCode::CREATED, false)
+        );
+    }
+    assert_eq!(handler.executions(), 2);
+    let unprotected = logs
+        .dump()
+        .lines()
+        .filter(|line| line.contains("ERROR") && line.contains("WITHOUT idempotency protection"))
+        .count();
+    assert_eq!(unprotected, 2, "{}", logs.dump());
+}

@@ -56,6 +56,12 @@ async fn complete(store: &PostgresStore, scope: &Scope, ttl: Duration) -> Stored
     stored
 }
 
+/// Claims `scope` with `lease` and returns whether the key was free.
+async fn claims(store: &PostgresStore, scope: &Scope, lease: Duration) -> bool {
+    let claim = store.claim(scope, FINGERPRINT, lease).await.unwrap();
+    matches!(claim, Claim::Claimed(_))
+}
+
 async fn row_count(store: &PostgresStore) -> i64 {
     let client = support::store_client(&support::database_url()).await;
     let sql = format!("SELECT count(*) FROM {}", store.table_name());
@@ -129,17 +135,7 @@ async fn rows_hold_the_scope_and_the_response_byte_exact() {
         other => panic!("expected the completed record, got {other:?}"),
     }
     // The anonymous principal is a row of its own.
-    assert!(matches!(
-        store
-            .claim(
-                &self::scope("k-1", None),
-                FINGERPRINT,
-                Duration::from_secs(30)
-            )
-            .await
-            .unwrap(),
-        Claim::Claimed(_)
-    ));
+    assert!(claims(&store, &self::scope("k-1", None), Duration::from_secs(30)).await);
 }
 
 #[tokio::test]
@@ -147,39 +143,33 @@ async fn expired_rows_are_never_replayed_and_are_purged() {
     let store = support::postgres_store().await;
     complete(&store, &scope("old", None), Duration::from_millis(100)).await;
     complete(&store, &scope("live", None), Duration::from_secs(3600)).await;
-    store
-        .claim(
+    assert!(
+        claims(
+            &store,
             &scope("abandoned", None),
-            FINGERPRINT,
-            Duration::from_millis(100),
+            Duration::from_millis(100)
         )
         .await
-        .unwrap();
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     assert_eq!(store.purge_expired().await.unwrap(), 2);
     assert_eq!(row_count(&store).await, 1);
-    assert!(matches!(
-        store
-            .claim(&scope("old", None), FINGERPRINT, Duration::from_secs(30))
-            .await
-            .unwrap(),
-        Claim::Claimed(_)
-    ));
+    assert!(claims(&store, &scope("old", None), Duration::from_secs(30)).await);
 }
 
 #[tokio::test]
 async fn keep_completed_leaves_an_audit_trail_that_is_never_replayed() {
     let store = support::postgres_store().await.keep_completed();
     complete(&store, &scope("audited", None), Duration::from_millis(100)).await;
-    store
-        .claim(
+    assert!(
+        claims(
+            &store,
             &scope("abandoned", None),
-            FINGERPRINT,
-            Duration::from_millis(100),
+            Duration::from_millis(100)
         )
         .await
-        .unwrap();
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     assert_eq!(
@@ -193,17 +183,7 @@ async fn keep_completed_leaves_an_audit_trail_that_is_never_replayed() {
     let kept: Vec<(&str, &str)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
     assert_eq!(kept, [("audited", "completed")]);
     // Expired, so the key is free again rather than replayed.
-    assert!(matches!(
-        store
-            .claim(
-                &scope("audited", None),
-                FINGERPRINT,
-                Duration::from_secs(30)
-            )
-            .await
-            .unwrap(),
-        Claim::Claimed(_)
-    ));
+    assert!(claims(&store, &scope("audited", None), Duration::from_secs(30)).await);
 }
 
 #[tokio::test]

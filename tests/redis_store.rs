@@ -7,7 +7,6 @@
 mod support;
 
 use std::{
-    collections::HashMap,
     convert::Infallible,
     future::Future,
     sync::{
@@ -246,62 +245,102 @@ async fn pttl(connection: &mut MultiplexedConnection, key: &str) -> i64 {
 }
 
 // ---------------------------------------------------------------------------------------
-// Counting the commands clients send, from `INFO commandstats`.
+// Counting the commands clients send, from Redis's MONITOR feed.
 
-/// The commands a client sends to run a script. Commands a script runs are counted by Redis
-/// under their own names and are not round trips.
-const CLIENT_SCRIPT_COMMANDS: [&str; 3] = ["evalsha", "eval", "script"];
-/// What the store's scripts run inside Redis.
-const SCRIPT_INTERNAL_COMMANDS: [&str; 5] = ["get", "set", "pttl", "pexpire", "del"];
+/// What the store may send: its native claim, and its scripts.
+const STORE_COMMANDS: [&str; 4] = ["set", "evalsha", "eval", "script"];
 
-struct CommandCounter(MultiplexedConnection);
+/// Watches every command the server runs. Commands a script runs appear as coming from
+/// `lua` and are not round trips; everything else a client sent is one.
+struct CommandCounter {
+    lines: Arc<std::sync::Mutex<Vec<String>>>,
+    marks: MultiplexedConnection,
+    windows: u64,
+}
 
 impl CommandCounter {
     async fn connect(server: &RedisServer) -> Self {
-        Self(raw_connection(&server.url()).await)
+        use std::io::{BufRead, Write};
+        // MONITOR over a plain socket: every reply line is one command the server ran.
+        let mut monitor = std::net::TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+        monitor.write_all(b"MONITOR\r\n").unwrap();
+        let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
+        std::thread::spawn({
+            let lines = lines.clone();
+            move || {
+                for line in std::io::BufReader::new(monitor)
+                    .lines()
+                    .map_while(Result::ok)
+                {
+                    lines.lock().unwrap().push(line);
+                }
+            }
+        });
+        let mut counter = Self {
+            lines,
+            marks: raw_connection(&server.url()).await,
+            windows: 0,
+        };
+        counter.mark("ready").await;
+        counter
     }
 
-    /// `cmdstat_<name>:calls=N` for every command Redis has run.
-    async fn calls(&mut self) -> HashMap<String, u64> {
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut self.0)
-            .await
-            .unwrap();
-        info.lines()
-            .filter_map(|line| {
-                let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-                let calls = stats.split(',').find_map(|s| s.strip_prefix("calls="))?;
-                Some((name.to_owned(), calls.parse().ok()?))
-            })
-            .collect()
+    /// Sends `ECHO <text>` (again every 100 ms: MONITOR may not be listening yet) and
+    /// returns the index of its line in the feed once it shows.
+    async fn mark(&mut self, text: &str) -> usize {
+        let needle = format!("\"echo\" \"{text}\"");
+        for attempt in 0..500 {
+            if attempt % 10 == 0 {
+                let _: String = redis::cmd("ECHO")
+                    .arg(text)
+                    .query_async(&mut self.marks)
+                    .await
+                    .unwrap();
+            }
+            if let Some(at) = self
+                .lines
+                .lock()
+                .unwrap()
+                .iter()
+                .rposition(|l| l.to_lowercase().contains(&needle))
+            {
+                return at;
+            }
+            sleep(Duration::from_millis(10)).await;
+        }
+        panic!("MONITOR never showed {text}");
     }
 
     /// Runs `work` and returns its output with the round trips clients made meanwhile.
     ///
-    /// Panics if any command other than scripts (and what they run) was sent: every store
-    /// operation must be one script invocation.
+    /// Panics if a client sent anything but the store's claim and scripts.
     async fn round_trips<T>(&mut self, work: impl Future<Output = T>) -> (T, u64) {
-        let before = self.calls().await;
+        self.windows += 1;
+        let start = self.mark(&format!("start-{}", self.windows)).await;
         let output = work.await;
-        let after = self.calls().await;
-        let delta: HashMap<&str, u64> = after
+        let end = self.mark(&format!("end-{}", self.windows)).await;
+        let lines = self.lines.lock().unwrap();
+        let sent: Vec<String> = lines[start + 1..end]
             .iter()
-            .map(|(name, calls)| (name.as_str(), calls - before.get(name).unwrap_or(&0)))
-            .filter(|&(name, calls)| calls > 0 && name != "info")
-            .collect();
-        let unexpected: Vec<_> = delta
-            .keys()
-            .filter(|name| {
-                !CLIENT_SCRIPT_COMMANDS.contains(name) && !SCRIPT_INTERNAL_COMMANDS.contains(name)
+            .map(|line| line.to_lowercase())
+            .filter(|line| !line.contains(" lua] ") && !line.contains("\"echo\""))
+            .filter_map(|line| {
+                line.split("] \"")
+                    .nth(1)?
+                    .split('"')
+                    .next()
+                    .map(str::to_lowercase)
             })
             .collect();
-        assert!(unexpected.is_empty(), "commands outside scripts: {delta:?}");
-        let trips = CLIENT_SCRIPT_COMMANDS
+        let unexpected: Vec<_> = sent
             .iter()
-            .map(|name| delta.get(name).unwrap_or(&0))
-            .sum();
-        (output, trips)
+            .filter(|c| !STORE_COMMANDS.contains(&c.as_str()))
+            .collect();
+        assert!(
+            unexpected.is_empty(),
+            "commands other than the store's: {sent:?}"
+        );
+        (output, sent.len() as u64)
     }
 }
 

@@ -1,34 +1,43 @@
 //! The Redis store: one key per record, one round trip per operation.
 
-use std::{fmt, sync::LazyLock, time::Duration};
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, LazyLock,
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use redis::{aio::ConnectionManager, Script, Value};
+use redis::{aio::ConnectionManager, Script};
 
 use super::{Claim, Error, Fenced, Result, Store};
 use crate::{ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
-/// Reads `KEYS[1]` into `current` and returns 0 unless it is the in-progress record holding
-/// token `ARGV[1]`. The layout is [`Record::encode`]'s: version byte, `P`, 32 fingerprint
-/// bytes, 16 token bytes.
+// The value of a key is an encoded [`Record`]; an in-progress record is followed by its
+// lease deadline (unix milliseconds, u64 big-endian), so that a claim which finds it can
+// say how long to wait without asking Redis for the key's TTL.
+const IN_PROGRESS_LEN: usize = 50;
+const HELD_LEN: usize = IN_PROGRESS_LEN + 8;
+
+/// Returns 0 unless `current` (the key's value) is the in-progress record holding token
+/// `ARGV[1]`: version byte, `P`, 32 fingerprint bytes, 16 token bytes, 8 deadline bytes.
 const FENCE: &str = r"
-local held = current and #current == 50 and string.sub(current, 1, 2) == '\1P'
-    and string.sub(current, 35) == ARGV[1]
+local held = current and #current == 58 and string.sub(current, 1, 2) == '\1P'
+    and string.sub(current, 35, 50) == ARGV[1]
 if not held then return 0 end
 ";
 const READ: &str = "local current = redis.call('GET', KEYS[1])";
 
-/// Returns the record and its remaining milliseconds, or claims the key and returns 0.
+/// The claim for servers without `SET … NX GET` (before Redis 7.0): the same reply, the
+/// existing value or nil.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local current = redis.call('GET', KEYS[1])
-if current then return {current, redis.call('PTTL', KEYS[1])} end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 0
-",
-    )
+    Script::new(&format!(
+        "{READ} if current then return current end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false"
+    ))
 });
 /// Completing twice with the same record applies once and answers 1 both times, so the
 /// layer may retry a completion whose reply was lost.
@@ -43,9 +52,11 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| {
         "{READ} {FENCE} redis.call('DEL', KEYS[1]) return 1"
     ))
 });
+/// `ARGV[2]` the lease in milliseconds, `ARGV[3]` the new deadline bytes.
 static EXTEND: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{READ} {FENCE} redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1"
+        "{READ} {FENCE}
+redis.call('SET', KEYS[1], string.sub(current, 1, 50) .. ARGV[3], 'PX', ARGV[2]) return 1"
     ))
 });
 
@@ -62,9 +73,10 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 
 /// A store in Redis: the production default.
 ///
-/// - Every operation is one Lua script, one round trip (`EVALSHA`, loading the script on
-///   `NOSCRIPT`): claim returns the existing record in the same trip; complete, release and
-///   extend compare the claim token before writing.
+/// - Every operation is one round trip. The claim is one native `SET … NX PX … GET`
+///   (a Lua script on servers before Redis 7.0), which returns the existing record in the
+///   same trip; complete, release and extend are Lua scripts (`EVALSHA`, loading the script
+///   on `NOSCRIPT`) that compare the claim token before writing.
 /// - One Redis key per record (`<prefix><scope>`), expiring by Redis's own TTL, so a Redis
 ///   Cluster can hold them.
 /// - One multiplexed [`ConnectionManager`] shared by all requests, reconnecting by itself
@@ -85,6 +97,8 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 pub struct RedisStore {
     connection: ConnectionManager,
     prefix: String,
+    /// Whether the server takes `SET … NX GET` (Redis 7.0 and later); learnt on first use.
+    native_claim: Arc<AtomicBool>,
 }
 
 /// Why a Redis operation failed.
@@ -116,7 +130,12 @@ impl RedisStore {
     /// commands time out after 2 seconds; while Redis is unreachable, a request fails after
     /// two quick reconnection attempts instead of waiting out a long backoff.
     pub async fn open(url: &str) -> Result<Self, RedisStoreError> {
-        let client = redis::Client::open(url)?;
+        Self::from_client(redis::Client::open(url)?).await
+    }
+
+    /// Connects with a client the application configured (TLS, credentials, protocol),
+    /// with the same reconnection and timeout policy as [`open`](Self::open).
+    pub async fn from_client(client: redis::Client) -> Result<Self, RedisStoreError> {
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_response_timeout(Some(RESPONSE_TIMEOUT))
             .set_connection_timeout(Some(CONNECTION_TIMEOUT))
@@ -133,6 +152,7 @@ impl RedisStore {
         Self {
             connection,
             prefix: "idempotency:".to_owned(),
+            native_claim: Arc::new(AtomicBool::new(true)),
         }
     }
 
@@ -159,6 +179,19 @@ impl RedisStore {
         key
     }
 
+    async fn claim_by_script(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: Duration,
+    ) -> Result<Option<Vec<u8>>> {
+        let mut invocation = CLAIM.key(key);
+        invocation.arg(value).arg(millis(lease));
+        Ok(invocation
+            .invoke_async(&mut self.connection.clone())
+            .await?)
+    }
+
     async fn fenced(
         &self,
         script: &Script,
@@ -182,6 +215,25 @@ impl RedisStore {
     }
 }
 
+/// The value of a key claimed with `token` for `lease` from now.
+fn held_value(fingerprint: Fingerprint, token: ClaimToken, lease: Duration) -> Vec<u8> {
+    let mut value = Vec::with_capacity(HELD_LEN);
+    value.extend_from_slice(&Record::InProgress { fingerprint, token }.encode());
+    value.extend_from_slice(&deadline(lease).to_be_bytes());
+    value
+}
+
+fn deadline(lease: Duration) -> u64 {
+    unix_millis().saturating_add(millis(lease))
+}
+
+fn unix_millis() -> u64 {
+    let since_epoch = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX)
+}
+
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
@@ -197,35 +249,58 @@ impl Store for RedisStore {
         token: ClaimToken,
         lease: Duration,
     ) -> Result<Claim> {
-        let record = Record::InProgress { fingerprint, token }.encode();
-        let reply: Value = CLAIM
-            .key(self.redis_key(scope))
-            .arg(record.as_ref())
-            .arg(millis(lease))
-            .invoke_async(&mut self.connection.clone())
-            .await?;
-        let (current, pttl) = match reply {
-            Value::Int(0) => return Ok(Claim::Claimed(token)),
-            Value::Array(mut items) if items.len() == 2 => match (items.remove(0), items.remove(0))
-            {
-                (Value::BulkString(current), Value::Int(pttl)) => (current, pttl),
-                other => return Err(unexpected(&other)),
-            },
-            other => return Err(unexpected(&other)),
+        let value = held_value(fingerprint, token, lease);
+        let key = self.redis_key(scope);
+        let reply: Option<Vec<u8>> = if self.native_claim.load(Ordering::Relaxed) {
+            // One native command: claims the key, or returns what holds it.
+            let mut set = redis::cmd("SET");
+            set.arg(&key)
+                .arg(value.as_slice())
+                .arg("NX")
+                .arg("PX")
+                .arg(millis(lease))
+                .arg("GET");
+            match set.query_async(&mut self.connection.clone()).await {
+                Err(error) if error.to_string().contains("syntax error") => {
+                    tracing::info!(
+                        "this Redis has no SET … NX GET (before 7.0): claiming by script"
+                    );
+                    self.native_claim.store(false, Ordering::Relaxed);
+                    self.claim_by_script(&key, &value, lease).await?
+                }
+                reply => reply?,
+            }
+        } else {
+            self.claim_by_script(&key, &value, lease).await?
         };
-        Ok(match Record::decode(Bytes::from(current))? {
-            Record::InProgress { fingerprint, .. } => Claim::InProgress {
-                fingerprint,
-                lease_remaining: Duration::from_millis(pttl.max(0) as u64),
-            },
+        let Some(current) = reply else {
+            return Ok(Claim::Claimed(token));
+        };
+        if current.len() == HELD_LEN {
+            let deadline =
+                u64::from_be_bytes(current[IN_PROGRESS_LEN..].try_into().unwrap_or_default());
+            let record = Record::decode(Bytes::from(current).slice(..IN_PROGRESS_LEN))?;
+            if let Record::InProgress { fingerprint, .. } = record {
+                let lease_remaining = Duration::from_millis(deadline.saturating_sub(unix_millis()));
+                return Ok(Claim::InProgress {
+                    fingerprint,
+                    lease_remaining,
+                });
+            }
+            return Err(unexpected(&"a completed record of an in-progress length"));
+        }
+        match Record::decode(Bytes::from(current))? {
             Record::Completed {
                 fingerprint,
                 response,
-            } => Claim::Completed {
+            } => Ok(Claim::Completed {
                 fingerprint,
                 response,
-            },
-        })
+            }),
+            Record::InProgress { .. } => {
+                Err(unexpected(&"an in-progress record without its deadline"))
+            }
+        }
     }
 
     async fn complete(
@@ -251,8 +326,9 @@ impl Store for RedisStore {
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
+        let deadline = deadline(lease).to_be_bytes();
         let lease = millis(lease).to_string();
-        self.fenced(&EXTEND, scope, token, &[lease.as_bytes()])
+        self.fenced(&EXTEND, scope, token, &[lease.as_bytes(), &deadline])
             .await
     }
 }
