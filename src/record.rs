@@ -103,22 +103,7 @@ impl Record {
             Self::Completed {
                 fingerprint,
                 response,
-            } => {
-                let headers_len: usize = response
-                    .headers
-                    .iter()
-                    .map(|(name, value)| 8 + name.as_str().len() + value.len())
-                    .sum();
-                let mut out =
-                    BytesMut::with_capacity(2 + 32 + 6 + headers_len + response.body.len());
-                out.put_u8(VERSION_1);
-                out.put_u8(COMPLETED);
-                out.put_slice(fingerprint.as_bytes());
-                out.put_u16(response.status.as_u16());
-                put_headers(&mut out, &response.headers);
-                out.put_slice(&response.body);
-                out.freeze()
-            }
+            } => encode_completed(fingerprint, response),
         }
     }
 
@@ -154,6 +139,23 @@ impl Record {
             _ => Err(DecodeError("unknown record kind")),
         }
     }
+}
+
+/// [`Record::encode`] of a completed record, without building the record.
+pub(crate) fn encode_completed(fingerprint: &Fingerprint, response: &StoredResponse) -> Bytes {
+    let headers_len: usize = response
+        .headers
+        .iter()
+        .map(|(name, value)| 8 + name.as_str().len() + value.len())
+        .sum();
+    let mut out = BytesMut::with_capacity(2 + 32 + 6 + headers_len + response.body.len());
+    out.put_u8(VERSION_1);
+    out.put_u8(COMPLETED);
+    out.put_slice(fingerprint.as_bytes());
+    out.put_u16(response.status.as_u16());
+    put_headers(&mut out, &response.headers);
+    out.put_slice(&response.body);
+    out.freeze()
 }
 
 /// Writes `header count u32, (name len u32, name, value len u32, value)*`, keeping order

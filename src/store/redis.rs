@@ -14,7 +14,7 @@ use bytes::Bytes;
 use redis::{aio::ConnectionManager, Script};
 
 use super::{Claim, Error, Fenced, Result, Store};
-use crate::{ClaimToken, Fingerprint, Record, Scope, StoredResponse};
+use crate::{record::encode_completed, ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
 // The value of a key is an encoded [`Record`]; an in-progress record is followed by its
 // lease deadline (unix milliseconds, u64 big-endian), so that a claim which finds it can
@@ -311,11 +311,7 @@ impl Store for RedisStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced> {
-        let record = Record::Completed {
-            fingerprint,
-            response: response.clone(),
-        }
-        .encode();
+        let record = encode_completed(&fingerprint, response);
         let ttl = millis(ttl).to_string();
         self.fenced(&COMPLETE, scope, token, &[&record, ttl.as_bytes()])
             .await
