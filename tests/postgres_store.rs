@@ -62,6 +62,13 @@ async fn claims(store: &PostgresStore, scope: &Scope, lease: Duration) -> bool {
     matches!(claim, Claim::Claimed(_))
 }
 
+/// Claims `abandoned` for 100 ms and waits until it (and anything as short) has expired.
+async fn abandon_a_claim_and_let_it_expire(store: &PostgresStore) {
+    let lease = Duration::from_millis(100);
+    assert!(claims(store, &scope("abandoned", None), lease).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
 async fn row_count(store: &PostgresStore) -> i64 {
     let client = support::store_client(&support::database_url()).await;
     let sql = format!("SELECT count(*) FROM {}", store.table_name());
@@ -143,15 +150,7 @@ async fn expired_rows_are_never_replayed_and_are_purged() {
     let store = support::postgres_store().await;
     complete(&store, &scope("old", None), Duration::from_millis(100)).await;
     complete(&store, &scope("live", None), Duration::from_secs(3600)).await;
-    assert!(
-        claims(
-            &store,
-            &scope("abandoned", None),
-            Duration::from_millis(100)
-        )
-        .await
-    );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    abandon_a_claim_and_let_it_expire(&store).await;
 
     assert_eq!(store.purge_expired().await.unwrap(), 2);
     assert_eq!(row_count(&store).await, 1);
@@ -162,15 +161,7 @@ async fn expired_rows_are_never_replayed_and_are_purged() {
 async fn keep_completed_leaves_an_audit_trail_that_is_never_replayed() {
     let store = support::postgres_store().await.keep_completed();
     complete(&store, &scope("audited", None), Duration::from_millis(100)).await;
-    assert!(
-        claims(
-            &store,
-            &scope("abandoned", None),
-            Duration::from_millis(100)
-        )
-        .await
-    );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    abandon_a_claim_and_let_it_expire(&store).await;
 
     assert_eq!(
         store.purge_expired().await.unwrap(),

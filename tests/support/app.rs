@@ -137,6 +137,15 @@ pub struct Answer {
 }
 
 impl Answer {
+    /// Asserts a fresh execution's `201`, not a replay.
+    pub fn assert_executed(&self) {
+        assert_eq!(
+            (self.status, self.replayed()),
+            (StatusCode::CREATED, false),
+            "{self:?}"
+        );
+    }
+
     pub fn replayed(&self) -> bool {
         self.headers
             .get("idempotent-replayed")
