@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# HTTP load, side by side: the payments example (on Redis and in memory) against the
+# HTTP load, side by side: the payments example (on Redis with and without its local cache
+# of completed records, and in memory) against the
 # peers of the shared load harness (bare Axum, a hand-written Redis middleware, the
 # published crates), on a Redis of its own so nothing else is flushed.
 #
@@ -33,6 +34,7 @@ export FLUSH_CMD="redis-cli -p $port flushall" REDIS_CLI="redis-cli -p $port"
 export CARGO_TARGET_DIR="$work/peers-target" BENCH_OUT="$work/results/$(date -u +%Y%m%dT%H%M%SZ)"
 ours=(
   "ours_redis=env PAYMENTS_STATS=payments RUST_LOG=warn REDIS_URL=$REDIS_URL $work/payments"
+  "ours_redis_nocache=env PAYMENTS_STATS=payments RUST_LOG=warn IDEMPOTENCY_CACHE_RECORDS=0 REDIS_URL=$REDIS_URL $work/payments"
   "ours_memory=env -u REDIS_URL -u DATABASE_URL PAYMENTS_STATS=payments RUST_LOG=warn $work/payments"
 )
 for pass in $(seq "$passes"); do

@@ -698,3 +698,42 @@ async fn a_running_handler_keeps_its_lease_past_three_leases() {
     send(&app, post(&key, "{}")).await.assert_replay_of(&first);
     assert_eq!(handler.executions(), 1);
 }
+
+/// A local cache of completed records answers this process's replays without Redis; other
+/// processes (here, a second layer on its own connection) still read the record from Redis.
+#[tokio::test]
+async fn cached_replays_make_no_round_trip() {
+    let server = RedisServer::start();
+    let redis = RedisStore::open(&server.url()).await.unwrap();
+    let cached = IdempotencyLayer::new(tower_idempotency::store::CachedStore::new(redis, 100));
+    let plain = IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap());
+    let handler = Handler::default();
+    let (app, other_app) = (handler.behind(&cached), handler.behind(&plain));
+    let mut counter = CommandCounter::connect(&server).await;
+    // Load the scripts first, so that NOSCRIPT round trips are not counted below.
+    send(&app, post(&new_key("warm"), "{}"))
+        .await
+        .assert_executed();
+
+    let key = new_key("cached");
+    let (first, trips) = counter.round_trips(send(&app, post(&key, "{}"))).await;
+    first.assert_executed();
+    assert_eq!(trips, 2, "first execution: claim + complete");
+    let (replay, trips) = counter.round_trips(send(&app, post(&key, "{}"))).await;
+    replay.assert_replay_of(&first);
+    assert_eq!(trips, 0, "a replay from the cache");
+    let (mismatch, trips) = counter
+        .round_trips(send(&app, post(&key, "{\"other\":1}")))
+        .await;
+    mismatch.assert_error(
+        StatusCode::CONFLICT,
+        "idempotency_key_reused_with_different_params",
+    );
+    assert_eq!(trips, 0, "the cached record's fingerprint decides");
+    let (elsewhere, trips) = counter
+        .round_trips(send(&other_app, post(&key, "{}")))
+        .await;
+    elsewhere.assert_replay_of(&first);
+    assert_eq!(trips, 1, "another process reads Redis");
+    assert_eq!(handler.executions(), 2);
+}

@@ -7,7 +7,9 @@
 //! ```
 //!
 //! Environment: `PAYMENTS_ADDR` (default `127.0.0.1:3000`), `REDIS_URL`, `DATABASE_URL`,
-//! `IDEMPOTENCY_TTL_SECS`, `IDEMPOTENCY_LEASE_SECS`; `PAYMENTS_STATS=payments` makes
+//! `IDEMPOTENCY_TTL_SECS`, `IDEMPOTENCY_LEASE_SECS`; `IDEMPOTENCY_CACHE_RECORDS` (default
+//! 100000, 0 to turn off) sizes the local cache of completed records kept in front of Redis
+//! or PostgreSQL; `PAYMENTS_STATS=payments` makes
 //! `GET /v1/stats` report the payments counter alone, for load harnesses that read one
 //! number from it.
 
@@ -15,7 +17,7 @@ mod app;
 
 use std::{sync::Arc, time::Duration};
 
-use tower_idempotency::{MemoryStore, Store};
+use tower_idempotency::{store::CachedStore, MemoryStore, Store};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -50,11 +52,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 async fn store() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
+    let cache_records = match std::env::var("IDEMPOTENCY_CACHE_RECORDS") {
+        Ok(value) => value
+            .parse::<usize>()
+            .map_err(|_| format!("IDEMPOTENCY_CACHE_RECORDS={value} is not a count"))?,
+        Err(_) => 100_000,
+    };
+    // Replays of what this process completed need no round trip to a shared store.
+    let shared = |store: Arc<dyn Store>| -> Arc<dyn Store> {
+        match cache_records {
+            0 => store,
+            records => Arc::new(CachedStore::new(store, records)),
+        }
+    };
     if let Ok(url) = std::env::var("REDIS_URL") {
         #[cfg(feature = "redis")]
-        return Ok(Arc::new(
+        return Ok(shared(Arc::new(
             tower_idempotency::RedisStore::open(url.as_str()).await?,
-        ));
+        )));
         #[cfg(not(feature = "redis"))]
         return Err(
             format!("REDIS_URL={url} is set, but this build has no `redis` feature").into(),
@@ -66,7 +81,7 @@ async fn store() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             let store = tower_idempotency::PostgresStore::connect(&url).await?;
             store.migrate().await?;
             store.spawn_purge(Duration::from_secs(3600));
-            return Ok(Arc::new(store));
+            return Ok(shared(Arc::new(store)));
         }
         #[cfg(not(feature = "postgres"))]
         tracing::warn!(%url, "DATABASE_URL is set, but this build has no `postgres` feature: using memory");

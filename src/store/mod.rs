@@ -6,6 +6,7 @@ use async_trait::async_trait;
 
 use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 
+mod cached;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "postgres")]
@@ -19,6 +20,7 @@ pub use self::postgres::{PostgresStore, PostgresStoreError};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{RedisStore, RedisStoreError};
+pub use cached::CachedStore;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use memory::MemoryStore;
@@ -133,4 +135,41 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// If `scope` holds the in-progress record made with `token`, renew its lease to
     /// `lease` from now.
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced>;
+}
+
+/// A shared store is a store: layers can share one chosen at run time.
+#[async_trait]
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    async fn claim_with_token(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> Result<Claim> {
+        (**self)
+            .claim_with_token(scope, fingerprint, token, lease)
+            .await
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced> {
+        (**self)
+            .complete(scope, token, fingerprint, response, ttl)
+            .await
+    }
+
+    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+        (**self).release(scope, token).await
+    }
+
+    async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
+        (**self).extend(scope, token, lease).await
+    }
 }

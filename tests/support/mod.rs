@@ -7,8 +7,9 @@ pub mod payments;
 pub mod redis_server;
 
 /// Runs each listed `async fn case(store: Arc<dyn Store>)` once per store, as
-/// `memory::case`, `redis::case` (shared Redis, own key prefix) and `postgres::case`
-/// (shared PostgreSQL, own table).
+/// `memory::case`, `redis::case` (shared Redis, own key prefix), `postgres::case`
+/// (shared PostgreSQL, own table) and `cached_redis::case` (a local cache of completed
+/// records in front of Redis).
 #[allow(unused_macros)] // Not every test file runs cases per store.
 macro_rules! for_each_store {
     ($($case:ident),* $(,)?) => {
@@ -28,6 +29,14 @@ macro_rules! for_each_store {
             $(#[tokio::test]
             async fn $case() {
                 super::$case(crate::support::shared_postgres_store().await).await
+            })*
+        }
+        mod cached_redis {
+            $(#[tokio::test]
+            async fn $case() {
+                let redis = crate::support::redis_store(stringify!($case)).await;
+                let cached = tower_idempotency::store::CachedStore::new(redis, 1000);
+                super::$case(std::sync::Arc::new(cached)).await
             })*
         }
     };

@@ -1,0 +1,161 @@
+//! A local cache of completed records in front of a shared store.
+
+use std::{
+    collections::HashMap,
+    hash::BuildHasher,
+    sync::{Mutex, MutexGuard},
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+
+use super::{Claim, Fenced, Result, Store};
+use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
+
+const SHARDS: usize = 16;
+
+/// Serves replays of records this process completed from memory, without a round trip to
+/// the store behind it.
+///
+/// A completed record never changes until it expires, so a copy is as good as the original
+/// for its TTL; only records completed through this cache are kept (with their exact TTL),
+/// never in-progress ones, and every other operation goes to `inner`. Other processes sharing
+/// `inner` are unaffected: they read the record from it. Bounded by `max_records`: past it,
+/// new records are simply not cached.
+///
+/// A record deleted from the shared store by hand (to let a key execute again) is still
+/// replayed by the processes that cached it, until its TTL.
+///
+/// # Example
+///
+/// ```no_run
+/// use tower_idempotency::{store::CachedStore, IdempotencyLayer, RedisStore};
+///
+/// # async fn run() -> Result<(), tower_idempotency::store::RedisStoreError> {
+/// let redis = RedisStore::open("redis://127.0.0.1:6379/").await?;
+/// let layer = IdempotencyLayer::new(CachedStore::new(redis, 100_000));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct CachedStore<S> {
+    inner: S,
+    shards: Vec<Mutex<Shard>>,
+    hasher: std::collections::hash_map::RandomState,
+    max_per_shard: usize,
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    records: HashMap<String, Cached>,
+    /// A full shard is swept for expired records at most once a second, so that a cache
+    /// full of live records does not scan itself on every completion.
+    next_sweep: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct Cached {
+    fingerprint: Fingerprint,
+    response: StoredResponse,
+    expires_at: Instant,
+}
+
+impl<S: Store> CachedStore<S> {
+    /// Caches up to about `max_records` completed records in front of `inner`.
+    pub fn new(inner: S, max_records: usize) -> Self {
+        Self {
+            inner,
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: Default::default(),
+            max_per_shard: (max_records / SHARDS).max(1),
+        }
+    }
+
+    /// The store behind the cache.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn shard(&self, key: &str) -> MutexGuard<'_, Shard> {
+        let index = self.hasher.hash_one(key) as usize % SHARDS;
+        // Every critical section is one map operation: a panic cannot leave it half-done.
+        self.shards[index].lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for CachedStore<S> {
+    async fn claim_with_token(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> Result<Claim> {
+        let key = scope.storage_key();
+        {
+            let mut shard = self.shard(&key);
+            match shard.records.get(&key) {
+                Some(cached) if cached.expires_at > Instant::now() => {
+                    return Ok(Claim::Completed {
+                        fingerprint: cached.fingerprint,
+                        response: cached.response.clone(),
+                    });
+                }
+                Some(_) => {
+                    shard.records.remove(&key);
+                }
+                None => {}
+            }
+        }
+        self.inner
+            .claim_with_token(scope, fingerprint, token, lease)
+            .await
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced> {
+        let expires_at = Instant::now() + ttl;
+        let fenced = self
+            .inner
+            .complete(scope, token, fingerprint, response, ttl)
+            .await?;
+        if fenced == Fenced::Applied {
+            let key = scope.storage_key();
+            let mut shard = self.shard(&key);
+            let now = Instant::now();
+            if shard.records.len() >= self.max_per_shard
+                && shard.next_sweep.is_none_or(|at| at <= now)
+            {
+                shard.records.retain(|_, cached| cached.expires_at > now);
+                shard.next_sweep = Some(now + Duration::from_secs(1));
+            }
+            if shard.records.len() < self.max_per_shard {
+                let response = response.clone();
+                shard.records.insert(
+                    key,
+                    Cached {
+                        fingerprint,
+                        response,
+                        expires_at,
+                    },
+                );
+            }
+        }
+        Ok(fenced)
+    }
+
+    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+        self.inner.release(scope, token).await
+    }
+
+    async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
+        self.inner.extend(scope, token, lease).await
+    }
+}
