@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 use crate::{body::ResponseBody, StoredResponse};
 
@@ -105,12 +105,12 @@ fn error(code: &str) -> serde_json::Value {
 
 /// The stored response, byte for byte, marked as a replay.
 pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+    const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
+    let mut headers = stored.headers;
+    headers.insert(REPLAYED, HeaderValue::from_static("true"));
     let mut response = Response::new(ResponseBody::full(stored.body));
     *response.status_mut() = stored.status;
-    *response.headers_mut() = stored.headers;
-    response
-        .headers_mut()
-        .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    *response.headers_mut() = headers;
     response
 }
 

@@ -1,7 +1,5 @@
 //! Where a key means something: `(principal, endpoint, key)`, and its storage key.
 
-use std::fmt::Write as _;
-
 use crate::IdempotencyKey;
 
 /// The scope of one idempotency key: the same key sent by two principals, or to two
@@ -11,15 +9,19 @@ pub struct Scope {
     principal: Option<String>,
     endpoint: String,
     key: IdempotencyKey,
+    /// Built once: every store operation on the request names the record by it.
+    storage_key: String,
 }
 
 impl Scope {
     /// A scope from its three parts; `None` is the anonymous principal.
     pub fn new(principal: Option<String>, endpoint: String, key: IdempotencyKey) -> Self {
+        let storage_key = storage_key(principal.as_deref(), &endpoint, key.as_str());
         Self {
             principal,
             endpoint,
             key,
+            storage_key,
         }
     }
 
@@ -52,23 +54,41 @@ impl Scope {
     /// let scope = Scope::new(Some("alice".into()), "POST /v1/payments".into(), key);
     /// assert_eq!(scope.storage_key(), "5:alice17:POST /v1/payments1:k");
     /// ```
-    pub fn storage_key(&self) -> String {
-        let key = self.key.as_str();
-        let principal_len = self.principal.as_ref().map_or(1, |p| p.len() + 4);
-        let mut out = String::with_capacity(principal_len + self.endpoint.len() + key.len() + 8);
-        match &self.principal {
-            Some(p) => push_part(&mut out, p),
-            None => out.push('-'),
-        }
-        push_part(&mut out, &self.endpoint);
-        push_part(&mut out, key);
-        out
+    pub fn storage_key(&self) -> &str {
+        &self.storage_key
     }
 }
 
+fn storage_key(principal: Option<&str>, endpoint: &str, key: &str) -> String {
+    let principal_len = principal.map_or(1, |p| p.len() + 4);
+    let mut out = String::with_capacity(principal_len + endpoint.len() + key.len() + 8);
+    match principal {
+        Some(p) => push_part(&mut out, p),
+        None => out.push('-'),
+    }
+    push_part(&mut out, endpoint);
+    push_part(&mut out, key);
+    out
+}
+
+/// `<byte length>:<part>`, without the formatting machinery: this runs on every request.
 fn push_part(out: &mut String, part: &str) {
-    // Writing to a String cannot fail.
-    let _ = write!(out, "{}:{part}", part.len());
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    let mut len = part.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (len % 10) as u8;
+        len /= 10;
+        if len == 0 {
+            break;
+        }
+    }
+    for &digit in &digits[start..] {
+        out.push(char::from(digit));
+    }
+    out.push(':');
+    out.push_str(part);
 }
 
 #[cfg(test)]

@@ -148,7 +148,12 @@ fn endpoint(endpoint: &Endpoint, parts: &Parts) -> String {
             .map_or(parts.uri.path(), |matched| matched.as_str()),
         Endpoint::MethodAndPath => parts.uri.path(),
     };
-    format!("{} {path}", parts.method)
+    let method = parts.method.as_str();
+    let mut name = String::with_capacity(method.len() + 1 + path.len());
+    name.push_str(method);
+    name.push(' ');
+    name.push_str(path);
+    name
 }
 
 impl<S: fmt::Debug> fmt::Debug for Idempotency<S> {

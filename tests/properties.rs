@@ -159,7 +159,7 @@ proptest! {
             let parsed = IdempotencyKey::parse(&HeaderValue::from_str(&key).unwrap()).unwrap();
             let scope = Scope::new(principal.clone(), endpoint.clone(), parsed);
             let triple = (principal, endpoint, key);
-            if let Some(other) = seen.insert(scope.storage_key(), triple.clone()) {
+            if let Some(other) = seen.insert(scope.storage_key().to_owned(), triple.clone()) {
                 prop_assert_eq!(other, triple, "two scopes share a storage key");
             }
         }

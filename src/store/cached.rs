@@ -94,8 +94,8 @@ impl<S: Store> Store for CachedStore<S> {
     ) -> Result<Claim> {
         let key = scope.storage_key();
         {
-            let mut shard = self.shard(&key);
-            match shard.records.get(&key) {
+            let mut shard = self.shard(key);
+            match shard.records.get(key) {
                 Some(cached) if cached.expires_at > Instant::now() => {
                     return Ok(Claim::Completed {
                         fingerprint: cached.fingerprint,
@@ -103,7 +103,7 @@ impl<S: Store> Store for CachedStore<S> {
                     });
                 }
                 Some(_) => {
-                    shard.records.remove(&key);
+                    shard.records.remove(key);
                 }
                 None => {}
             }
@@ -128,7 +128,7 @@ impl<S: Store> Store for CachedStore<S> {
             .await?;
         if fenced == Fenced::Applied {
             let key = scope.storage_key();
-            let mut shard = self.shard(&key);
+            let mut shard = self.shard(key);
             let now = Instant::now();
             if shard.records.len() >= self.max_per_shard
                 && shard.next_sweep.is_none_or(|at| at <= now)
@@ -139,7 +139,7 @@ impl<S: Store> Store for CachedStore<S> {
             if shard.records.len() < self.max_per_shard {
                 let response = response.clone();
                 shard.records.insert(
-                    key,
+                    key.to_owned(),
                     Cached {
                         fingerprint,
                         response,

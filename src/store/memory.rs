@@ -124,8 +124,8 @@ impl MemoryStore {
     /// Runs `write` on the scope's in-progress record if `token` still holds it.
     fn fenced(&self, scope: &Scope, token: ClaimToken, write: impl FnOnce(&mut Entry)) -> Fenced {
         let key = scope.storage_key();
-        let mut shard = self.shard(&key);
-        match shard.records.get_mut(&key) {
+        let mut shard = self.shard(key);
+        match shard.records.get_mut(key) {
             Some(entry) if entry.is_held_by(token, Instant::now()) => {
                 write(entry);
                 Fenced::Applied
@@ -186,8 +186,8 @@ impl Store for MemoryStore {
     ) -> Result<Claim> {
         let now = Instant::now();
         let key = scope.storage_key();
-        let mut shard = self.shard(&key);
-        if let Some(entry) = shard.records.get(&key).filter(|e| e.expires_at > now) {
+        let mut shard = self.shard(key);
+        if let Some(entry) = shard.records.get(key).filter(|e| e.expires_at > now) {
             return Ok(match &entry.record {
                 Record::InProgress { fingerprint, .. } => Claim::InProgress {
                     fingerprint: *fingerprint,
@@ -204,13 +204,13 @@ impl Store for MemoryStore {
         }
         shard.sweep_if_due(now);
         if shard.records.len() >= self.inner.max_records_per_shard
-            && !shard.records.contains_key(&key)
+            && !shard.records.contains_key(key)
         {
             return Err(Error::Backend("memory store is full".into()));
         }
         let record = Record::InProgress { fingerprint, token };
         shard.records.insert(
-            key,
+            key.to_owned(),
             Entry {
                 record,
                 token,
@@ -229,9 +229,9 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<Fenced> {
         let key = scope.storage_key();
-        let mut shard = self.shard(&key);
+        let mut shard = self.shard(key);
         let now = Instant::now();
-        match shard.records.get_mut(&key) {
+        match shard.records.get_mut(key) {
             Some(entry) if entry.is_held_by(token, now) => {
                 let response = response.clone();
                 entry.record = Record::Completed {
@@ -248,10 +248,10 @@ impl Store for MemoryStore {
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = scope.storage_key();
-        let mut shard = self.shard(&key);
-        match shard.records.get(&key) {
+        let mut shard = self.shard(key);
+        match shard.records.get(key) {
             Some(entry) if entry.is_held_by(token, Instant::now()) => {
-                shard.records.remove(&key);
+                shard.records.remove(key);
                 Ok(Fenced::Applied)
             }
             _ => Ok(Fenced::Lost),

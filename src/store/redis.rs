@@ -175,7 +175,7 @@ impl RedisStore {
     /// The Redis key holding a scope's record.
     pub fn redis_key(&self, scope: &Scope) -> String {
         let mut key = self.prefix.clone();
-        key.push_str(&scope.storage_key());
+        key.push_str(scope.storage_key());
         key
     }
 
