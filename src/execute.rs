@@ -1,7 +1,13 @@
 //! A claimed key: execute once, keep the lease alive, record or release the outcome.
 
 use std::{
-    convert::Infallible, fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, task::Poll,
+    convert::Infallible,
+    fmt,
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
     time::Duration,
 };
 
@@ -28,8 +34,9 @@ const WRITE_RETRY_BACKOFF: Duration = Duration::from_millis(25);
 /// Claims `scope` and answers: a replay, a conflict, or the inner service's response
 /// (recorded unless released).
 ///
-/// Only an execution runs in a task of its own, so that a client disconnecting cannot
-/// cancel it or its recording; replays and conflicts are answered in place.
+/// Everything runs in the request's own task; an execution whose request is dropped
+/// finishes in a task of its own, so a client disconnecting cannot cancel it or its
+/// recording.
 pub(crate) async fn run<S, ReqBody, ResBody>(
     mut inner: S,
     store: Arc<dyn Store>,
@@ -100,19 +107,64 @@ where
         scope,
         token,
     };
-    let mut execution = Box::pin(held.execute(inner, fingerprint, request));
-    // Polled once in place: a handler that answers at once on a store that records at once
-    // (in memory) leaves nothing to protect. Otherwise the execution moves to a task of its
-    // own before this future can next be dropped: there is no await in between.
-    let first_poll = std::future::poll_fn(|cx| Poll::Ready(execution.as_mut().poll(cx))).await;
-    if let Poll::Ready(result) = first_poll {
-        return result;
+    FinishOnDrop::new(held.execute(inner, fingerprint, request)).await
+}
+
+/// An execution polled in place by its request; if the request is dropped first (its client
+/// went away), the rest of the execution (the handler, the recording) moves to a task of
+/// its own rather than being cancelled. Running in place saves a task per execution; the
+/// execution is boxed so it can move without being polled again from scratch.
+struct FinishOnDrop<F: Future + Send + 'static>
+where
+    F::Output: Send,
+{
+    execution: Option<Pin<Box<F>>>,
+}
+
+impl<F: Future + Send + 'static> FinishOnDrop<F>
+where
+    F::Output: Send,
+{
+    fn new(execution: F) -> Self {
+        Self {
+            execution: Some(Box::pin(execution)),
+        }
     }
-    match tokio::spawn(execution).await {
-        Ok(result) => result,
-        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-        // Only a runtime shutting down cancels the task; the claim's lease frees the key.
-        Err(_) => Ok(Rejection::StoreUnavailable.into_response()),
+}
+
+impl<F: Future + Send + 'static> Future for FinishOnDrop<F>
+where
+    F::Output: Send,
+{
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        // Taken out while polled: one that panics is dropped here, never handed to a task.
+        let mut execution = self
+            .execution
+            .take()
+            .expect("FinishOnDrop polled after completion");
+        let poll = execution.as_mut().poll(cx);
+        if poll.is_pending() {
+            self.execution = Some(execution);
+        }
+        poll
+    }
+}
+
+impl<F: Future + Send + 'static> Drop for FinishOnDrop<F>
+where
+    F::Output: Send,
+{
+    fn drop(&mut self) {
+        let Some(execution) = self.execution.take() else {
+            return;
+        };
+        // Without a runtime (one shutting down) nothing can finish it: the lease frees
+        // the key, as after a crash.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(execution);
+        }
     }
 }
 

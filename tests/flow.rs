@@ -40,6 +40,7 @@ for_each_store!(
     key_reused_with_other_parameters_conflicts,
     in_progress_conflict_says_when_to_retry,
     concurrent_duplicates_execute_once,
+    a_request_dropped_mid_execution_still_records,
     panicking_handler_releases_the_key,
     server_errors_release_and_client_errors_are_recorded,
     inner_service_error_releases_the_key,
@@ -289,6 +290,35 @@ async fn concurrent_duplicates_execute_once(store: Arc<dyn Store>) {
     assert_eq!(
         (executed.status, executed.replayed()),
         (StatusCode::CREATED, false)
+    );
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn a_request_dropped_mid_execution_still_records(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    // The client goes away while its handler runs: the server drops the request's future.
+    let gone = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post_waiting("gone")).await }
+    });
+    until_executing(&handler, 1).await;
+    gone.abort();
+    assert!(gone.await.unwrap_err().is_cancelled());
+    handler.gate.add_permits(1);
+    // The execution finishes without its request and records the response for the retry.
+    let mut answer = send(&app, post("/pay").key("gone")).await;
+    for _ in 0..500 {
+        if answer.status != StatusCode::CONFLICT {
+            break;
+        }
+        assert_eq!(answer.error(), "request_in_progress");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        answer = send(&app, post("/pay").key("gone")).await;
+    }
+    assert_eq!(
+        (answer.status, answer.replayed()),
+        (StatusCode::CREATED, true)
     );
     assert_eq!(handler.executions(), 1);
 }
