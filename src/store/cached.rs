@@ -1,9 +1,9 @@
 //! A local cache of completed records in front of a shared store.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     hash::BuildHasher,
-    sync::{Mutex, MutexGuard},
+    sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
@@ -21,7 +21,8 @@ const SHARDS: usize = 16;
 /// for its TTL; only records completed through this cache are kept (with their exact TTL),
 /// never in-progress ones, and every other operation goes to `inner`. Other processes sharing
 /// `inner` are unaffected: they read the record from it. Bounded by `max_records`: past it,
-/// new records are simply not cached.
+/// the oldest cached records make room for new ones (retries come soon after the request
+/// they repeat), and a record evicted early is simply read from `inner` again.
 ///
 /// A record deleted from the shared store by hand (to let a key execute again) is still
 /// replayed by the processes that cached it, until its TTL.
@@ -47,10 +48,11 @@ pub struct CachedStore<S> {
 
 #[derive(Debug, Default)]
 struct Shard {
-    records: HashMap<String, Cached>,
-    /// A full shard is swept for expired records at most once a second, so that a cache
-    /// full of live records does not scan itself on every completion.
-    next_sweep: Option<Instant>,
+    records: HashMap<Arc<str>, Cached>,
+    /// Keys in the order they were cached, oldest first: a full shard evicts from the front.
+    /// A key cached twice appears twice; evicting its older mention evicts it early, which
+    /// only costs one read from the inner store.
+    order: VecDeque<Arc<str>>,
 }
 
 #[derive(Debug)]
@@ -127,26 +129,23 @@ impl<S: Store> Store for CachedStore<S> {
             .complete(scope, token, fingerprint, response, ttl)
             .await?;
         if fenced == Fenced::Applied {
-            let key = scope.storage_key();
-            let mut shard = self.shard(key);
-            let now = Instant::now();
-            if shard.records.len() >= self.max_per_shard
-                && shard.next_sweep.is_none_or(|at| at <= now)
-            {
-                shard.records.retain(|_, cached| cached.expires_at > now);
-                shard.next_sweep = Some(now + Duration::from_secs(1));
+            let key: Arc<str> = Arc::from(scope.storage_key());
+            let mut shard = self.shard(&key);
+            while shard.order.len() >= self.max_per_shard {
+                let Some(oldest) = shard.order.pop_front() else {
+                    break;
+                };
+                shard.records.remove(&oldest);
             }
-            if shard.records.len() < self.max_per_shard {
-                let response = response.clone();
-                shard.records.insert(
-                    key.to_owned(),
-                    Cached {
-                        fingerprint,
-                        response,
-                        expires_at,
-                    },
-                );
-            }
+            shard.order.push_back(key.clone());
+            shard.records.insert(
+                key,
+                Cached {
+                    fingerprint,
+                    response: response.clone(),
+                    expires_at,
+                },
+            );
         }
         Ok(fenced)
     }
@@ -157,5 +156,133 @@ impl<S: Store> Store for CachedStore<S> {
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
         self.inner.extend(scope, token, lease).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use bytes::Bytes;
+    use http::{HeaderMap, HeaderValue, StatusCode};
+
+    use super::*;
+    use crate::{IdempotencyKey, MemoryStore};
+
+    /// The in-memory store, counting the claims that reach it.
+    #[derive(Debug, Default)]
+    struct Counted {
+        store: MemoryStore,
+        claims: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl Store for Counted {
+        async fn claim_with_token(
+            &self,
+            scope: &Scope,
+            fingerprint: Fingerprint,
+            token: ClaimToken,
+            lease: Duration,
+        ) -> Result<Claim> {
+            self.claims.fetch_add(1, Ordering::SeqCst);
+            self.store
+                .claim_with_token(scope, fingerprint, token, lease)
+                .await
+        }
+        async fn complete(
+            &self,
+            scope: &Scope,
+            token: ClaimToken,
+            fingerprint: Fingerprint,
+            response: &StoredResponse,
+            ttl: Duration,
+        ) -> Result<Fenced> {
+            self.store
+                .complete(scope, token, fingerprint, response, ttl)
+                .await
+        }
+        async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+            self.store.release(scope, token).await
+        }
+        async fn extend(
+            &self,
+            scope: &Scope,
+            token: ClaimToken,
+            lease: Duration,
+        ) -> Result<Fenced> {
+            self.store.extend(scope, token, lease).await
+        }
+    }
+
+    const LEASE: Duration = Duration::from_secs(30);
+    const TTL: Duration = Duration::from_secs(3600);
+
+    fn scope(n: usize) -> Scope {
+        let key = IdempotencyKey::parse(&HeaderValue::from_str(&format!("k{n}")).unwrap()).unwrap();
+        Scope::new(None, "POST /pay".to_owned(), key)
+    }
+
+    fn response(n: usize) -> StoredResponse {
+        StoredResponse {
+            status: StatusCode::CREATED,
+            headers: HeaderMap::new(),
+            body: Bytes::from(format!("payment {n}")),
+        }
+    }
+
+    /// Claims and completes key `n` through `cache`.
+    async fn execute(cache: &CachedStore<Counted>, n: usize) {
+        let fingerprint = Fingerprint::from_bytes([0; 32]);
+        let Claim::Claimed(token) = cache.claim(&scope(n), fingerprint, LEASE).await.unwrap()
+        else {
+            panic!("key {n} was not new");
+        };
+        let fenced = cache
+            .complete(&scope(n), token, fingerprint, &response(n), TTL)
+            .await
+            .unwrap();
+        assert_eq!(fenced, Fenced::Applied);
+    }
+
+    /// Replays key `n` and says whether the inner store was asked.
+    async fn replay_reached_inner(cache: &CachedStore<Counted>, n: usize) -> bool {
+        let before = cache.inner().claims.load(Ordering::SeqCst);
+        let claim = cache
+            .claim(&scope(n), Fingerprint::from_bytes([0; 32]), LEASE)
+            .await
+            .unwrap();
+        let Claim::Completed {
+            response: replayed, ..
+        } = claim
+        else {
+            panic!("key {n} was not replayed: {claim:?}");
+        };
+        assert_eq!(replayed, response(n));
+        cache.inner().claims.load(Ordering::SeqCst) > before
+    }
+
+    #[tokio::test]
+    async fn replays_come_from_the_cache() {
+        let cache = CachedStore::new(Counted::default(), 1000);
+        execute(&cache, 1).await;
+        assert!(!replay_reached_inner(&cache, 1).await);
+    }
+
+    #[tokio::test]
+    async fn a_full_cache_keeps_the_newest_records_and_stays_bounded() {
+        let cache = CachedStore::new(Counted::default(), 32);
+        for n in 0..1000 {
+            execute(&cache, n).await;
+        }
+        let cached: usize = cache
+            .shards
+            .iter()
+            .map(|s| s.lock().unwrap().records.len())
+            .sum();
+        assert!(cached <= 32, "{cached} records cached");
+        // The newest completion is cached; the oldest was evicted and is read from inner.
+        assert!(!replay_reached_inner(&cache, 999).await);
+        assert!(replay_reached_inner(&cache, 0).await);
     }
 }
