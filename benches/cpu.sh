@@ -23,7 +23,7 @@ servers=(
 out=$work/cpu-$(date -u +%Y%m%dT%H%M%SZ).tsv
 tick=$(getconf CLK_TCK)
 server=
-trap 'kill "$server" 2>/dev/null; kill "$(cat "$work/redis.pid")" 2>/dev/null || true' EXIT
+trap 'kill "$server" 2>/dev/null || true; kill "$(cat "$work/redis.pid")" 2>/dev/null || true' EXIT
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 redis_stat() { "${redis[@]}" info "$1" | tr -d '\r'; }
