@@ -2,60 +2,21 @@
 //!
 //! `cargo bench --bench layer` (Redis cases use `REDIS_URL`, default 127.0.0.1:6379).
 
-use std::{convert::Infallible, hint::black_box, sync::Arc};
+mod support;
+
+use std::{hint::black_box, sync::Arc};
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
-use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
 use tokio::runtime::Runtime;
-use tower::{Service, ServiceExt};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
+
+use support::{call, handler, redis_url, request};
 
 const SIZES: [(&str, usize); 2] = [("256B", 256), ("64KiB", 64 * 1024)];
 
-/// The handler: answers 201 with a body the size of the request's.
-fn handler() -> impl Service<
-    Request<Full<Bytes>>,
-    Response = Response<Full<Bytes>>,
-    Error = Infallible,
-    Future = impl Send,
-> + Clone
-       + Send
-       + 'static {
-    tower::service_fn(|request: Request<Full<Bytes>>| async move {
-        let body = request.into_body().collect().await.unwrap().to_bytes();
-        let mut response = Response::new(Full::new(body));
-        *response.status_mut() = StatusCode::CREATED;
-        Ok::<_, Infallible>(response)
-    })
-}
-
-fn request(method: &str, key: Option<&str>, body: &Bytes) -> Request<Full<Bytes>> {
-    let mut builder = Request::builder().method(method).uri("/v1/payments");
-    if let Some(key) = key {
-        builder = builder.header("idempotency-key", key);
-    }
-    builder
-        .header("authorization", "Bearer bench")
-        .body(Full::new(body.clone()))
-        .unwrap()
-}
-
-/// Calls `service` once and reads the whole response, as a server would.
-async fn call<S, B>(service: &S, request: Request<Full<Bytes>>) -> Bytes
-where
-    S: Service<Request<Full<Bytes>>, Response = Response<B>> + Clone,
-    S::Error: std::fmt::Debug,
-    B: http_body::Body,
-    B::Error: std::fmt::Debug,
-{
-    let response = service.clone().oneshot(request).await.unwrap();
-    response.into_body().collect().await.unwrap().to_bytes()
-}
-
 fn stores(runtime: &Runtime) -> Vec<(&'static str, Arc<dyn Store>)> {
-    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+    let url = redis_url();
     let redis = runtime
         .block_on(RedisStore::open(&url))
         .unwrap_or_else(|e| panic!("the Redis benchmarks need Redis at {url}: {e}"))
