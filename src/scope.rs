@@ -14,8 +14,10 @@ pub struct Scope {
 }
 
 impl Scope {
-    /// A scope from its three parts; `None` is the anonymous principal.
+    /// A scope from its three parts; `None` (or an empty name, which a store with a text
+    /// column cannot tell from it) is the anonymous principal.
     pub fn new(principal: Option<String>, endpoint: String, key: IdempotencyKey) -> Self {
+        let principal = principal.filter(|name| !name.is_empty());
         let storage_key = storage_key(principal.as_deref(), &endpoint, key.as_str());
         Self {
             principal,
@@ -114,10 +116,9 @@ mod tests {
     #[test]
     fn anonymous_differs_from_every_named_principal_and_equals_empty() {
         let anonymous = scope(None, "e", "k");
-        assert_ne!(
-            anonymous.storage_key(),
-            scope(Some(""), "e", "k").storage_key()
-        );
+        let empty = scope(Some(""), "e", "k");
+        assert_eq!(anonymous.storage_key(), empty.storage_key());
+        assert_eq!(empty.principal(), None);
         assert_ne!(
             anonymous.storage_key(),
             scope(Some("-"), "e", "k").storage_key()
