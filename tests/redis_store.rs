@@ -27,7 +27,7 @@ use tokio::{
 use tower::{util::BoxCloneSyncService, Layer, ServiceExt};
 use tower_idempotency::{
     redis::{self, aio::MultiplexedConnection},
-    store::{Claim, Fenced},
+    store::{CachedStore, Claim, Fenced},
     ClaimToken, Fingerprint, Idempotency, IdempotencyKey, IdempotencyLayer, RedisStore, Scope,
     Store, StoredResponse, REPLAYED_HEADER,
 };
@@ -736,4 +736,54 @@ async fn cached_replays_make_no_round_trip() {
     elsewhere.assert_replay_of(&first);
     assert_eq!(trips, 1, "another process reads Redis");
     assert_eq!(handler.executions(), 2);
+}
+
+/// The cache answers what Redis no longer holds, so deleting the keys shows which
+/// records it kept: the newest ones, never more than its bound.
+#[tokio::test]
+async fn a_full_cache_keeps_its_newest_records_within_its_bound() {
+    let (redis, _prefix) = isolated_store("cache_bound").await;
+    let cache = CachedStore::new(redis.clone(), 32);
+    let (lease, ttl) = (Duration::from_secs(10), Duration::from_secs(60));
+    let scopes: Vec<Scope> = (0..200).map(|n| scope(&format!("k{n}"))).collect();
+    let response = |n: usize| StoredResponse {
+        status: StatusCode::CREATED,
+        headers: HeaderMap::new(),
+        body: Bytes::from(format!("payment {n}")),
+    };
+    for (n, scope) in scopes.iter().enumerate() {
+        let Claim::Claimed(token) = cache.claim(scope, fingerprint(1), lease).await.unwrap() else {
+            panic!("k{n} was not new");
+        };
+        let stored = response(n);
+        let completed = cache.complete(scope, token, fingerprint(1), &stored, ttl);
+        assert_eq!(completed.await.unwrap(), Fenced::Applied);
+    }
+    let mut connection = raw_connection(&support::redis_url()).await;
+    for scope in &scopes {
+        let _: i64 = redis::cmd("DEL")
+            .arg(redis.redis_key(scope))
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+    }
+    let mut cached = Vec::new();
+    for (n, scope) in scopes.iter().enumerate() {
+        match cache.claim(scope, fingerprint(1), lease).await.unwrap() {
+            Claim::Completed {
+                response: replayed, ..
+            } => {
+                assert_eq!(replayed, response(n));
+                cached.push(n);
+            }
+            Claim::Claimed(_) => {}
+            other => panic!("k{n}: {other:?}"),
+        }
+    }
+    assert!(cached.len() <= 32, "{} records cached", cached.len());
+    assert!(
+        cached.contains(&199),
+        "the newest record was evicted: {cached:?}"
+    );
+    assert!(!cached.contains(&0), "the oldest record is still cached");
 }
