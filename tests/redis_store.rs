@@ -227,6 +227,27 @@ async fn claimed(
     }
 }
 
+/// Sends a first execution of `key`, its replay and a reuse with another body, checks the
+/// answers, and returns the first answer with each request's round trips.
+async fn first_replay_and_mismatch(
+    counter: &mut CommandCounter,
+    app: &App,
+    key: &str,
+) -> (Reply, [u64; 3]) {
+    let (first, first_trips) = counter.round_trips(send(app, post(key, "{}"))).await;
+    first.assert_executed();
+    let (replay, replay_trips) = counter.round_trips(send(app, post(key, "{}"))).await;
+    replay.assert_replay_of(&first);
+    let (mismatch, mismatch_trips) = counter
+        .round_trips(send(app, post(key, "{\"other\":1}")))
+        .await;
+    mismatch.assert_error(
+        StatusCode::CONFLICT,
+        "idempotency_key_reused_with_different_params",
+    );
+    (first, [first_trips, replay_trips, mismatch_trips])
+}
+
 /// Every key under `prefix` (the prefixes tests use have no glob characters).
 async fn keys_under(connection: &mut MultiplexedConnection, prefix: &str) -> Vec<String> {
     redis::cmd("KEYS")
@@ -368,23 +389,9 @@ async fn each_request_costs_the_documented_round_trips() {
     .await;
     assert_eq!(released.status, StatusCode::BAD_GATEWAY);
 
-    let key = new_key("first");
-    let (first, trips) = counter.round_trips(send(&app, post(&key, "{}"))).await;
-    first.assert_executed();
-    assert_eq!(trips, 2, "first execution: claim + complete");
-
-    let (replay, trips) = counter.round_trips(send(&app, post(&key, "{}"))).await;
-    replay.assert_replay_of(&first);
-    assert_eq!(trips, 1, "replay: claim");
-
-    let (mismatch, trips) = counter
-        .round_trips(send(&app, post(&key, "{\"other\":1}")))
-        .await;
-    mismatch.assert_error(
-        StatusCode::CONFLICT,
-        "idempotency_key_reused_with_different_params",
-    );
-    assert_eq!(trips, 1, "fingerprint mismatch: claim");
+    let (_, trips) = first_replay_and_mismatch(&mut counter, &app, &new_key("first")).await;
+    // First execution: claim + complete; replay: claim; fingerprint mismatch: claim.
+    assert_eq!(trips, [2, 1, 1]);
 
     let failing = post_answering(&new_key("5xx"), StatusCode::INTERNAL_SERVER_ERROR);
     let (failed, trips) = counter.round_trips(send(&app, failing)).await;
@@ -705,7 +712,7 @@ async fn a_running_handler_keeps_its_lease_past_three_leases() {
 async fn cached_replays_make_no_round_trip() {
     let server = RedisServer::start();
     let redis = RedisStore::open(&server.url()).await.unwrap();
-    let cached = IdempotencyLayer::new(tower_idempotency::store::CachedStore::new(redis, 100));
+    let cached = IdempotencyLayer::new(CachedStore::new(redis, 100));
     let plain = IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap());
     let handler = Handler::default();
     let (app, other_app) = (handler.behind(&cached), handler.behind(&plain));
@@ -716,20 +723,9 @@ async fn cached_replays_make_no_round_trip() {
         .assert_executed();
 
     let key = new_key("cached");
-    let (first, trips) = counter.round_trips(send(&app, post(&key, "{}"))).await;
-    first.assert_executed();
-    assert_eq!(trips, 2, "first execution: claim + complete");
-    let (replay, trips) = counter.round_trips(send(&app, post(&key, "{}"))).await;
-    replay.assert_replay_of(&first);
-    assert_eq!(trips, 0, "a replay from the cache");
-    let (mismatch, trips) = counter
-        .round_trips(send(&app, post(&key, "{\"other\":1}")))
-        .await;
-    mismatch.assert_error(
-        StatusCode::CONFLICT,
-        "idempotency_key_reused_with_different_params",
-    );
-    assert_eq!(trips, 0, "the cached record's fingerprint decides");
+    let (first, trips) = first_replay_and_mismatch(&mut counter, &app, &key).await;
+    // The replay and the mismatch are answered from the cached record.
+    assert_eq!(trips, [2, 0, 0]);
     let (elsewhere, trips) = counter
         .round_trips(send(&other_app, post(&key, "{}")))
         .await;
