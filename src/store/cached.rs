@@ -2,17 +2,17 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    hash::BuildHasher,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, MutexGuard},
     time::{Duration, Instant},
 };
 
 use async_trait::async_trait;
 
-use super::{Claim, Fenced, Result, Store};
+use super::{
+    shards::{Shards, SHARDS},
+    Claim, Fenced, Result, Store,
+};
 use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
-
-const SHARDS: usize = 16;
 
 /// Serves replays of records this process completed from memory, without a round trip to
 /// the store behind it.
@@ -41,8 +41,7 @@ const SHARDS: usize = 16;
 #[derive(Debug)]
 pub struct CachedStore<S> {
     inner: S,
-    shards: Vec<Mutex<Shard>>,
-    hasher: std::collections::hash_map::RandomState,
+    shards: Shards<Shard>,
     max_per_shard: usize,
 }
 
@@ -67,8 +66,7 @@ impl<S: Store> CachedStore<S> {
     pub fn new(inner: S, max_records: usize) -> Self {
         Self {
             inner,
-            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            hasher: Default::default(),
+            shards: Shards::new(Shard::default),
             max_per_shard: (max_records / SHARDS).max(1),
         }
     }
@@ -79,9 +77,7 @@ impl<S: Store> CachedStore<S> {
     }
 
     fn shard(&self, key: &str) -> MutexGuard<'_, Shard> {
-        let index = self.hasher.hash_one(key) as usize % SHARDS;
-        // Every critical section is one map operation: a panic cannot leave it half-done.
-        self.shards[index].lock().unwrap_or_else(|p| p.into_inner())
+        self.shards.lock(key)
     }
 }
 

@@ -2,17 +2,18 @@
 
 use std::{
     collections::HashMap,
-    hash::BuildHasher,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, MutexGuard},
     time::{Duration, Instant},
 };
 
 use async_trait::async_trait;
 
-use super::{Claim, Error, Fenced, Result, Store};
+use super::{
+    shards::{Shards, SHARDS},
+    Claim, Error, Fenced, Result, Store,
+};
 use crate::{ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
-const SHARDS: usize = 16;
 /// A shard is swept for expired records when it has grown to twice its size after the last
 /// sweep (and at least this size): memory stays within twice the live records, and the
 /// sweeps cost O(1) amortized per claim.
@@ -38,8 +39,7 @@ pub struct MemoryStore {
 }
 
 struct Inner {
-    shards: Vec<Mutex<Shard>>,
-    hasher: std::collections::hash_map::RandomState,
+    shards: Shards<Shard>,
     max_records_per_shard: usize,
 }
 
@@ -85,18 +85,13 @@ impl MemoryStore {
     }
 
     fn with_max_records(max: usize) -> Self {
-        let shards = (0..SHARDS)
-            .map(|_| {
-                Mutex::new(Shard {
-                    records: HashMap::new(),
-                    sweep_at_len: MIN_SWEEP_LEN,
-                })
-            })
-            .collect();
+        let shards = Shards::new(|| Shard {
+            records: HashMap::new(),
+            sweep_at_len: MIN_SWEEP_LEN,
+        });
         Self {
             inner: Arc::new(Inner {
                 shards,
-                hasher: Default::default(),
                 max_records_per_shard: (max / SHARDS).max(1),
             }),
         }
@@ -106,8 +101,8 @@ impl MemoryStore {
     pub fn len(&self) -> usize {
         self.inner
             .shards
-            .iter()
-            .map(|s| lock(s).records.len())
+            .each()
+            .map(|shard| shard.records.len())
             .sum()
     }
 
@@ -117,8 +112,7 @@ impl MemoryStore {
     }
 
     fn shard(&self, key: &str) -> MutexGuard<'_, Shard> {
-        let index = self.inner.hasher.hash_one(key) as usize % SHARDS;
-        lock(&self.inner.shards[index])
+        self.inner.shards.lock(key)
     }
 
     /// Runs `write` on the scope's in-progress record if `token` still holds it.
@@ -141,14 +135,6 @@ impl std::fmt::Debug for MemoryStore {
             .field("records", &self.len())
             .finish()
     }
-}
-
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    // A panic elsewhere cannot leave a shard half-written: every critical section is a
-    // single map operation. Keep serving rather than poison every later request.
-    shard
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Entry {

@@ -13,6 +13,7 @@ mod memory;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+mod shards;
 
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
