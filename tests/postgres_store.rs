@@ -135,9 +135,16 @@ async fn rows_hold_the_scope_and_the_response_byte_exact() {
         Claim::Completed {
             response,
             fingerprint,
+            expires_in,
         } => {
             assert_eq!(response, stored);
             assert_eq!(fingerprint, FINGERPRINT);
+            // What is left of the row's hour, by the database's clock.
+            let left = expires_in.expect("the row's expiry");
+            assert!(
+                Duration::from_secs(59 * 60) < left && left <= Duration::from_secs(3600),
+                "expires in {left:?}"
+            );
         }
         other => panic!("expected the completed record, got {other:?}"),
     }

@@ -216,7 +216,7 @@ fn fingerprint(byte: u8) -> Fingerprint {
 }
 
 async fn claimed(
-    store: &RedisStore,
+    store: &impl Store,
     scope: &Scope,
     fingerprint: Fingerprint,
     lease: Duration,
@@ -477,13 +477,16 @@ async fn a_lost_claim_can_neither_complete_release_nor_extend_the_new_one() {
         store.complete(&scope, b, fp_b, &done, ttl).await.unwrap(),
         Fenced::Applied
     );
-    assert_eq!(
-        store.claim(&scope, fp_b, lease_b).await.unwrap(),
-        Claim::Completed {
-            fingerprint: fp_b,
-            response: done
-        }
-    );
+    let Claim::Completed {
+        fingerprint,
+        response,
+        expires_in: Some(expires_in),
+    } = store.claim(&scope, fp_b, lease_b).await.unwrap()
+    else {
+        panic!("expected B's completed record");
+    };
+    assert_eq!((fingerprint, response), (fp_b, done));
+    assert!(expires_in <= ttl, "expires in {expires_in:?}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -543,11 +546,19 @@ async fn records_are_byte_exact_one_key_each_with_redis_ttl() {
     let Claim::Completed {
         fingerprint: fp,
         response,
+        expires_in: Some(expires_in),
     } = store.claim(&scope, fingerprint(2), lease).await.unwrap()
     else {
-        panic!("expected the completed record");
+        panic!("expected the completed record, with its expiry");
     };
     assert_eq!(fp, fingerprint(1));
+    // The expiry the claim reports is the key's own TTL in Redis.
+    let reported = millis(expires_in);
+    let in_redis = pttl(&mut redis, &key).await;
+    assert!(
+        (reported - in_redis).abs() < 1000 && reported > millis(lease),
+        "claim says {reported} ms left, Redis {in_redis} ms"
+    );
     assert_eq!(response, stored);
     // Equality holds per name; the repeated header keeps its order too.
     let cookies: Vec<_> = response.headers.get_all("set-cookie").iter().collect();
@@ -706,10 +717,12 @@ async fn a_running_handler_keeps_its_lease_past_three_leases() {
     assert_eq!(handler.executions(), 1);
 }
 
-/// A local cache of completed records answers this process's replays without Redis; other
-/// processes (here, a second layer on its own connection) still read the record from Redis.
+/// A local cache keeps the completed records this process has read from Redis: a first
+/// execution costs what it costs without the cache, the first retry reads Redis, later
+/// ones do not; other processes (here, a second layer on its own connection) still read
+/// the record from Redis.
 #[tokio::test]
-async fn cached_replays_make_no_round_trip() {
+async fn cached_replays_make_no_round_trip_after_the_first() {
     let server = RedisServer::start();
     let redis = RedisStore::open(&server.url()).await.unwrap();
     let cached = IdempotencyLayer::new(CachedStore::new(redis, 100));
@@ -724,14 +737,40 @@ async fn cached_replays_make_no_round_trip() {
 
     let key = new_key("cached");
     let (first, trips) = first_replay_and_mismatch(&mut counter, &app, &key).await;
-    // The replay and the mismatch are answered from the cached record.
-    assert_eq!(trips, [2, 0, 0]);
+    // The replay reads the record from Redis; the mismatch is answered from the copy.
+    assert_eq!(trips, [2, 1, 0]);
+    let (again, trips) = counter.round_trips(send(&app, post(&key, "{}"))).await;
+    again.assert_replay_of(&first);
+    assert_eq!(trips, 0, "a later replay is served from the cache");
     let (elsewhere, trips) = counter
         .round_trips(send(&other_app, post(&key, "{}")))
         .await;
     elsewhere.assert_replay_of(&first);
     assert_eq!(trips, 1, "another process reads Redis");
     assert_eq!(handler.executions(), 2);
+}
+
+/// A cached copy lives no longer than the record in Redis: once its TTL has run out, the
+/// key executes again, as it would without the cache.
+#[tokio::test]
+async fn a_cached_record_expires_with_the_record_in_redis() {
+    let (redis, _prefix) = isolated_store("cache_ttl").await;
+    let cache = CachedStore::new(redis, 100);
+    let scope = scope(&new_key("short"));
+    let (lease, ttl) = (Duration::from_secs(10), Duration::from_millis(600));
+    let token = claimed(&cache, &scope, fingerprint(1), lease).await;
+    let stored = binary_response();
+    let completed = cache.complete(&scope, token, fingerprint(1), &stored, ttl);
+    assert_eq!(completed.await.unwrap(), Fenced::Applied);
+    // Read once, so that the cache holds a copy.
+    let Claim::Completed { response, .. } =
+        cache.claim(&scope, fingerprint(1), lease).await.unwrap()
+    else {
+        panic!("expected the completed record");
+    };
+    assert_eq!(response, stored);
+    sleep(ttl + Duration::from_millis(200)).await;
+    claimed(&cache, &scope, fingerprint(1), lease).await;
 }
 
 /// The cache answers what Redis no longer holds, so deleting the keys shows which
@@ -754,6 +793,12 @@ async fn a_full_cache_keeps_its_newest_records_within_its_bound() {
         let stored = response(n);
         let completed = cache.complete(scope, token, fingerprint(1), &stored, ttl);
         assert_eq!(completed.await.unwrap(), Fenced::Applied);
+        // A replay reads the record and caches it.
+        let replay = cache.claim(scope, fingerprint(1), lease).await.unwrap();
+        assert!(
+            matches!(replay, Claim::Completed { .. }),
+            "k{n}: {replay:?}"
+        );
     }
     let mut connection = raw_connection(&support::redis_url()).await;
     for scope in &scopes {

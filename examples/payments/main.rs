@@ -58,7 +58,7 @@ async fn store() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             .map_err(|_| format!("IDEMPOTENCY_CACHE_RECORDS={value} is not a count"))?,
         Err(_) => 100_000,
     };
-    // Replays of what this process completed need no round trip to a shared store.
+    // Replays of records this process has read once need no round trip to a shared store.
     let shared = |store: Arc<dyn Store>| -> Arc<dyn Store> {
         match cache_records {
             0 => store,

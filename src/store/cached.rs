@@ -14,15 +14,18 @@ use super::{
 };
 use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 
-/// Serves replays of records this process completed from memory, without a round trip to
-/// the store behind it.
+/// Serves replays from memory, without a round trip to the store behind it, once this
+/// process has read the completed record from that store.
 ///
 /// A completed record never changes until it expires, so a copy is as good as the original
-/// for its TTL; only records completed through this cache are kept (with their exact TTL),
-/// never in-progress ones, and every other operation goes to `inner`. Other processes sharing
-/// `inner` are unaffected: they read the record from it. Bounded by `max_records`: past it,
-/// the oldest cached records make room for new ones (retries come soon after the request
-/// they repeat), and a record evicted early is simply read from `inner` again.
+/// for as long as the store keeps it: the cache keeps a record the store returned as
+/// completed for the time the store says is left ([`Claim::Completed`]'s `expires_in`),
+/// never in-progress ones, and every other operation goes to `inner`. Records are cached when
+/// read, not when completed: a first execution costs nothing more than without the cache,
+/// the first retry reaching a process reads the shared store, and every later one is served
+/// from memory, whichever process completed the request. Bounded by `max_records`: past it,
+/// the oldest cached records make room for new ones, and a record evicted early is simply
+/// read from `inner` again.
 ///
 /// A record deleted from the shared store by hand (to let a key execute again) is still
 /// replayed by the processes that cached it, until its TTL.
@@ -79,6 +82,33 @@ impl<S: Store> CachedStore<S> {
     fn shard(&self, key: &str) -> MutexGuard<'_, Shard> {
         self.shards.lock(key)
     }
+
+    /// Keeps a copy of a completed record for as long as the store behind keeps it.
+    fn admit(
+        &self,
+        key: &str,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        expires_in: Duration,
+    ) {
+        let key: Arc<str> = Arc::from(key);
+        let mut shard = self.shard(&key);
+        while shard.order.len() >= self.max_per_shard {
+            let Some(oldest) = shard.order.pop_front() else {
+                break;
+            };
+            shard.records.remove(&oldest);
+        }
+        shard.order.push_back(key.clone());
+        shard.records.insert(
+            key,
+            Cached {
+                fingerprint,
+                response: response.clone(),
+                expires_at: Instant::now() + expires_in,
+            },
+        );
+    }
 }
 
 #[async_trait]
@@ -98,6 +128,7 @@ impl<S: Store> Store for CachedStore<S> {
                     return Ok(Claim::Completed {
                         fingerprint: cached.fingerprint,
                         response: cached.response.clone(),
+                        expires_in: Some(cached.expires_at - Instant::now()),
                     });
                 }
                 Some(_) => {
@@ -106,9 +137,19 @@ impl<S: Store> Store for CachedStore<S> {
                 None => {}
             }
         }
-        self.inner
+        let claim = self
+            .inner
             .claim_with_token(scope, fingerprint, token, lease)
-            .await
+            .await?;
+        if let Claim::Completed {
+            fingerprint,
+            response,
+            expires_in: Some(expires_in),
+        } = &claim
+        {
+            self.admit(key, *fingerprint, response, *expires_in);
+        }
+        Ok(claim)
     }
 
     async fn complete(
@@ -119,31 +160,9 @@ impl<S: Store> Store for CachedStore<S> {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced> {
-        let expires_at = Instant::now() + ttl;
-        let fenced = self
-            .inner
+        self.inner
             .complete(scope, token, fingerprint, response, ttl)
-            .await?;
-        if fenced == Fenced::Applied {
-            let key: Arc<str> = Arc::from(scope.storage_key());
-            let mut shard = self.shard(&key);
-            while shard.order.len() >= self.max_per_shard {
-                let Some(oldest) = shard.order.pop_front() else {
-                    break;
-                };
-                shard.records.remove(&oldest);
-            }
-            shard.order.push_back(key.clone());
-            shard.records.insert(
-                key,
-                Cached {
-                    fingerprint,
-                    response: response.clone(),
-                    expires_at,
-                },
-            );
-        }
-        Ok(fenced)
+            .await
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {

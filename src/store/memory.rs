@@ -185,6 +185,7 @@ impl Store for MemoryStore {
                 } => Claim::Completed {
                     fingerprint: *fingerprint,
                     response: response.clone(),
+                    expires_in: Some(entry.expires_at - now),
                 },
             });
         }

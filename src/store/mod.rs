@@ -62,6 +62,10 @@ pub enum Claim {
         fingerprint: Fingerprint,
         /// What it answered.
         response: StoredResponse,
+        /// How much longer the store keeps the record, where it can tell. A cache in front
+        /// of the store ([`CachedStore`]) keeps a copy for that long and no longer; `None`
+        /// means it keeps none.
+        expires_in: Option<Duration>,
     },
 }
 

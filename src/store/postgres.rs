@@ -299,8 +299,8 @@ SELECT true, NULL::bytea, NULL::text, NULL::smallint, NULL::bytea, NULL::bytea, 
 FROM claimed
 UNION ALL
 SELECT false, request_hash, status, status_code, response_headers, response_body,
-    CASE WHEN status = 'in_progress'
-        THEN (extract(epoch FROM locked_until - now()) * 1000)::bigint END
+    (extract(epoch FROM CASE WHEN status = 'in_progress' THEN locked_until ELSE expires_at END
+        - now()) * 1000)::bigint
 FROM {name}
 WHERE {scope} AND expires_at > now()
     AND (status = 'completed' OR locked_until > now())
@@ -359,8 +359,7 @@ fn decode_claim(row: &Row) -> Result<Claim> {
     let status: String = row.try_get(2)?;
     match status.as_str() {
         "in_progress" => {
-            let remaining: i64 = row.try_get(6)?;
-            let lease_remaining = Duration::from_millis(remaining.max(0) as u64);
+            let lease_remaining = remaining_millis(row)?;
             Ok(Claim::InProgress {
                 fingerprint,
                 lease_remaining,
@@ -388,10 +387,18 @@ fn decode_claim(row: &Row) -> Result<Claim> {
             Ok(Claim::Completed {
                 fingerprint,
                 response,
+                expires_in: Some(remaining_millis(row)?),
             })
         }
         _ => Err(PostgresStoreError::UnexpectedRow("unknown status").into()),
     }
+}
+
+/// How long the row found in the way stays live: its lease while in progress, its TTL once
+/// completed (the database's clock).
+fn remaining_millis(row: &Row) -> Result<Duration> {
+    let remaining: i64 = row.try_get(6)?;
+    Ok(Duration::from_millis(remaining.max(0) as u64))
 }
 
 #[async_trait]

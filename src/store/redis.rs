@@ -16,11 +16,13 @@ use redis::{aio::ConnectionManager, Script};
 use super::{Claim, Error, Fenced, Result, Store};
 use crate::{record::encode_completed, ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
-// The value of a key is an encoded [`Record`]; an in-progress record is followed by its
-// lease deadline (unix milliseconds, u64 big-endian), so that a claim which finds it can
-// say how long to wait without asking Redis for the key's TTL.
+// The value of a key is an encoded [`Record`] followed by the unix milliseconds (u64
+// big-endian) at which it stops being live: the lease deadline of an in-progress record,
+// the expiry of a completed one. A claim that finds the key can then say how long to wait,
+// or how long a copy may be cached, without asking Redis for the key's TTL.
+const DEADLINE_LEN: usize = 8;
 const IN_PROGRESS_LEN: usize = 50;
-const HELD_LEN: usize = IN_PROGRESS_LEN + 8;
+const HELD_LEN: usize = IN_PROGRESS_LEN + DEADLINE_LEN;
 
 /// Returns 0 unless `current` (the key's value) is the in-progress record holding token
 /// `ARGV[1]`: version byte, `P`, 32 fingerprint bytes, 16 token bytes, 8 deadline bytes.
@@ -39,12 +41,15 @@ static CLAIM: LazyLock<Script> = LazyLock::new(|| {
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false"
     ))
 });
-/// Completing twice with the same record applies once and answers 1 both times, so the
-/// layer may retry a completion whose reply was lost.
+/// `ARGV[2]` the encoded record, `ARGV[3]` the TTL in milliseconds, `ARGV[4]` the expiry
+/// bytes. Completing twice with the same record applies once and answers 1 both times (the
+/// retry's expiry differs, the record does not), so the layer may retry a completion whose
+/// reply was lost.
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{READ} if current == ARGV[2] then return 1 end
-{FENCE} redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1"
+        "{READ} if current and #current == #ARGV[2] + 8
+    and string.sub(current, 1, #ARGV[2]) == ARGV[2] then return 1 end
+{FENCE} redis.call('SET', KEYS[1], ARGV[2] .. ARGV[4], 'PX', ARGV[3]) return 1"
     ))
 });
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
@@ -273,34 +278,29 @@ impl Store for RedisStore {
         } else {
             self.claim_by_script(&key, &value, lease).await?
         };
-        let Some(current) = reply else {
+        let Some(mut current) = reply else {
             return Ok(Claim::Claimed(token));
         };
-        if current.len() == HELD_LEN {
-            let deadline =
-                u64::from_be_bytes(current[IN_PROGRESS_LEN..].try_into().unwrap_or_default());
-            let record = Record::decode(Bytes::from(current).slice(..IN_PROGRESS_LEN))?;
-            if let Record::InProgress { fingerprint, .. } = record {
-                let lease_remaining = Duration::from_millis(deadline.saturating_sub(unix_millis()));
-                return Ok(Claim::InProgress {
-                    fingerprint,
-                    lease_remaining,
-                });
-            }
-            return Err(unexpected(&"a completed record of an in-progress length"));
-        }
-        match Record::decode(Bytes::from(current))? {
+        let Some(record_len) = current.len().checked_sub(DEADLINE_LEN) else {
+            return Err(unexpected(&"a value shorter than its deadline"));
+        };
+        let deadline = u64::from_be_bytes(current[record_len..].try_into().unwrap_or_default());
+        let remaining = Duration::from_millis(deadline.saturating_sub(unix_millis()));
+        current.truncate(record_len);
+        Ok(match Record::decode(Bytes::from(current))? {
+            Record::InProgress { fingerprint, .. } => Claim::InProgress {
+                fingerprint,
+                lease_remaining: remaining,
+            },
             Record::Completed {
                 fingerprint,
                 response,
-            } => Ok(Claim::Completed {
+            } => Claim::Completed {
                 fingerprint,
                 response,
-            }),
-            Record::InProgress { .. } => {
-                Err(unexpected(&"an in-progress record without its deadline"))
-            }
-        }
+                expires_in: Some(remaining),
+            },
+        })
     }
 
     async fn complete(
@@ -312,8 +312,8 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<Fenced> {
         let record = encode_completed(&fingerprint, response);
-        let ttl = millis(ttl).to_string();
-        self.fenced(&COMPLETE, scope, token, &[&record, ttl.as_bytes()])
+        let (ttl, expiry) = (millis(ttl).to_string(), deadline(ttl).to_be_bytes());
+        self.fenced(&COMPLETE, scope, token, &[&record, ttl.as_bytes(), &expiry])
             .await
     }
 
