@@ -2,7 +2,8 @@
 # Where the CPU goes per request under load: for each server, the CPU time its process and
 # redis-server spend per request, the Redis commands per request (those run inside scripts
 # included) and how busy each of the two CPUs was (CPU 1 runs the server, CPU 0 wrk and
-# mostly Redis); each run's Redis commandstats (time per command) go to a log beside the
+# mostly Redis), and the page faults the server takes per request (memory it touches for
+# the first time); each run's Redis commandstats (time per command) go to a log beside the
 # table. Same load as benches/http.sh (the harness's first.lua and replay.lua, 128
 # connections, the server pinned to CPU 1 and wrk to CPU 0, Redis floating), one fresh
 # server per measured run.
@@ -27,6 +28,7 @@ server=
 trap 'kill "$server" 2>/dev/null || true; kill "$(cat "$work/redis.pid")" 2>/dev/null || true' EXIT
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+faults() { awk '{print $10 + $12}' "/proc/$1/stat"; }
 # "busy total steal" jiffies of one CPU ("cpu" for both): busy is user, nice, system, irq
 # and softirq; steal is time the hypervisor gave to someone else, the machine's noise
 core_ticks() { awk -v c="cpu$1" '$1 == c {print $2 + $3 + $4 + $7 + $8, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9, $9}' /proc/stat; }
@@ -53,12 +55,12 @@ measure() { # name workload command...
   fi
   "${redis[@]}" config resetstat >/dev/null
   local redis_pid; redis_pid=$(cat "$work/redis.pid")
-  local s0 r0 c0 c1 call; s0=$(cpu_ticks "$server"); r0=$(cpu_ticks "$redis_pid")
+  local s0 r0 f0 c0 c1 call; s0=$(cpu_ticks "$server"); r0=$(cpu_ticks "$redis_pid"); f0=$(faults "$server")
   c0=$(core_ticks 0); c1=$(core_ticks 1); call=$(core_ticks "")
   # shellcheck disable=SC2086
   local result; result=$(taskset -c 0 wrk -t1 -c"$conns" -d"$duration" -s "$harness/$workload.lua" \
     "http://$addr" -- $args | grep '^RESULT')
-  local s1 r1 busy0 busy1 steal; s1=$(cpu_ticks "$server"); r1=$(cpu_ticks "$redis_pid")
+  local s1 r1 f1 busy0 busy1 steal; s1=$(cpu_ticks "$server"); r1=$(cpu_ticks "$redis_pid"); f1=$(faults "$server")
   busy0=$(echo "$c0 $(core_ticks 0)" | awk '{printf "%.0f", 100 * ($4 - $1) / ($5 - $2)}')
   busy1=$(echo "$c1 $(core_ticks 1)" | awk '{printf "%.0f", 100 * ($4 - $1) / ($5 - $2)}')
   steal=$(echo "$call $(core_ticks "")" | awk '{printf "%.0f", 100 * ($6 - $3) / ($5 - $2)}')
@@ -68,10 +70,10 @@ measure() { # name workload command...
   kill "$server"; wait "$server" 2>/dev/null || true
   server=
   awk -v n="$name" -v w="$workload" -v res="$result" -v s=$((s1 - s0)) -v r=$((r1 - r0)) \
-    -v t="$tick" -v c="$commands" -v b0="$busy0" -v b1="$busy1" -v st="$steal" 'BEGIN {
+    -v t="$tick" -v c="$commands" -v b0="$busy0" -v b1="$busy1" -v st="$steal" -v pf=$((f1 - f0)) 'BEGIN {
       split(res, f, " "); rps = f[2]; req = f[5]
-      printf "%s\t%s\t%.0f\t%.1f\t%.1f\t%.2f\t%d\t%d\t%d\n", n, w, rps, s / t * 1e6 / req,
-        r / t * 1e6 / req, c / req, b1, b0, st }' | tee -a "$out"
+      printf "%s\t%s\t%.0f\t%.1f\t%.1f\t%.2f\t%d\t%d\t%d\t%.3f\n", n, w, rps, s / t * 1e6 / req,
+        r / t * 1e6 / req, c / req, b1, b0, st, pf / req }' | tee -a "$out"
 }
 
 for pass in $(seq "$passes"); do
@@ -84,7 +86,7 @@ for pass in $(seq "$passes"); do
   done
 done
 echo
-printf '%-20s %-7s %9s %14s %13s %9s %11s %11s %7s\n' server workload req/s server_us/req redis_us/req cmds/req cpu1_busy% cpu0_busy% steal%
+printf '%-20s %-7s %9s %14s %13s %9s %11s %11s %7s %11s\n' server workload req/s server_us/req redis_us/req cmds/req cpu1_busy% cpu0_busy% steal% faults/req
 sort -k1,1 -k2,2 -s "$out" | awk -F'\t' '
   function median(list,   n, a, i, j, t) {
     n = split(list, a, " ")
@@ -92,9 +94,9 @@ sort -k1,1 -k2,2 -s "$out" | awk -F'\t' '
     return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
   }
   { k = $1 "\t" $2; if (!(k in seen)) { seen[k] = 1; order[++n] = k }
-    for (i = 3; i <= 9; i++) v[k, i] = v[k, i] " " $i }
+    for (i = 3; i <= 10; i++) v[k, i] = v[k, i] " " $i }
   END { for (o = 1; o <= n; o++) { k = order[o]; split(k, kk, "\t")
-    printf "%-20s %-7s %9.0f %14.1f %13.1f %9.2f %11.0f %11.0f %7.0f\n", kk[1], kk[2],
+    printf "%-20s %-7s %9.0f %14.1f %13.1f %9.2f %11.0f %11.0f %7.0f %11.3f\n", kk[1], kk[2],
       median(v[k, 3]), median(v[k, 4]), median(v[k, 5]), median(v[k, 6]), median(v[k, 7]),
-      median(v[k, 8]), median(v[k, 9]) } }' \
+      median(v[k, 8]), median(v[k, 9]), median(v[k, 10]) } }' \
   | tee "${out%.tsv}.median.txt"
