@@ -28,8 +28,8 @@ use tower::{util::BoxCloneSyncService, Layer, ServiceExt};
 use tower_idempotency::{
     redis::{self, aio::MultiplexedConnection},
     store::{CachedStore, Claim, Fenced},
-    ClaimToken, Fingerprint, Idempotency, IdempotencyKey, IdempotencyLayer, RedisStore, Scope,
-    Store, StoredResponse, REPLAYED_HEADER,
+    ClaimToken, Fingerprint, Idempotency, IdempotencyKey, IdempotencyLayer, Record, RedisStore,
+    Scope, Store, StoredResponse, REPLAYED_HEADER,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -486,7 +486,10 @@ async fn a_lost_claim_can_neither_complete_release_nor_extend_the_new_one() {
         panic!("expected B's completed record");
     };
     assert_eq!((fingerprint, response), (fp_b, done));
-    assert!(expires_in <= ttl, "expires in {expires_in:?}");
+    assert!(
+        lease_b < expires_in && expires_in <= ttl,
+        "expires in {expires_in:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -762,14 +765,65 @@ async fn a_cached_record_expires_with_the_record_in_redis() {
     let stored = binary_response();
     let completed = cache.complete(&scope, token, fingerprint(1), &stored, ttl);
     assert_eq!(completed.await.unwrap(), Fenced::Applied);
-    // Read once, so that the cache holds a copy.
+    // Read once, so that the cache holds a copy; with the key gone from Redis, only the
+    // copy can answer.
     let Claim::Completed { response, .. } =
         cache.claim(&scope, fingerprint(1), lease).await.unwrap()
     else {
         panic!("expected the completed record");
     };
     assert_eq!(response, stored);
+    let mut connection = raw_connection(&support::redis_url()).await;
+    let _: i64 = redis::cmd("DEL")
+        .arg(cache.inner().redis_key(&scope))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let Claim::Completed { response, .. } =
+        cache.claim(&scope, fingerprint(1), lease).await.unwrap()
+    else {
+        panic!("the cache kept no copy");
+    };
+    assert_eq!(response, stored);
     sleep(ttl + Duration::from_millis(200)).await;
+    claimed(&cache, &scope, fingerprint(1), lease).await;
+}
+
+/// A completed value in the layout written before values carried their expiry (the record
+/// alone) still replays byte for byte, with no known expiry, so no cache keeps a copy.
+#[tokio::test]
+async fn a_completed_value_without_its_expiry_still_replays() {
+    let (redis, _prefix) = isolated_store("no_expiry").await;
+    let scope = scope(&new_key("older"));
+    let stored = binary_response();
+    let record = Record::Completed {
+        fingerprint: fingerprint(1),
+        response: stored.clone(),
+    };
+    let mut connection = raw_connection(&support::redis_url()).await;
+    let _: () = redis::cmd("SET")
+        .arg(redis.redis_key(&scope))
+        .arg(&record.encode()[..])
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let cache = CachedStore::new(redis.clone(), 100);
+    let lease = Duration::from_secs(10);
+    assert_eq!(
+        cache.claim(&scope, fingerprint(1), lease).await.unwrap(),
+        Claim::Completed {
+            fingerprint: fingerprint(1),
+            response: stored,
+            expires_in: None,
+        }
+    );
+    let _: i64 = redis::cmd("DEL")
+        .arg(redis.redis_key(&scope))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
     claimed(&cache, &scope, fingerprint(1), lease).await;
 }
 

@@ -27,6 +27,11 @@ use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 /// the oldest cached records make room for new ones, and a record evicted early is simply
 /// read from `inner` again.
 ///
+/// The store says how long is left: PostgreSQL by its own clock, Redis by the clock of the
+/// process that completed the record (Redis reports no TTL with the claim). Where hosts'
+/// clocks differ, a copy can outlive the record by that difference; a retry in that window
+/// gets the replay, never a second execution.
+///
 /// A record deleted from the shared store by hand (to let a key execute again) is still
 /// replayed by the processes that cached it, until its TTL.
 ///

@@ -63,7 +63,7 @@ pub enum Claim {
         /// What it answered.
         response: StoredResponse,
         /// How much longer the store keeps the record, where it can tell. A cache in front
-        /// of the store ([`CachedStore`]) keeps a copy for that long and no longer; `None`
+        /// of the store ([`CachedStore`]) keeps a copy for about that long; `None`
         /// means it keeps none.
         expires_in: Option<Duration>,
     },

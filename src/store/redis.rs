@@ -10,19 +10,24 @@ use std::{
 };
 
 use async_trait::async_trait;
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use redis::{aio::ConnectionManager, Script};
 
 use super::{Claim, Error, Fenced, Result, Store};
 use crate::{record::encode_completed, ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
-// The value of a key is an encoded [`Record`] followed by the unix milliseconds (u64
-// big-endian) at which it stops being live: the lease deadline of an in-progress record,
-// the expiry of a completed one. A claim that finds the key can then say how long to wait,
-// or how long a copy may be cached, without asking Redis for the key's TTL.
+// The value of a key says until when it is live, so that a claim which finds it can say how
+// long to wait, or how long a copy may be cached, without asking Redis for the key's TTL:
+// - in progress: the encoded [`Record`], then its lease deadline (unix milliseconds, u64
+//   big-endian);
+// - completed: the byte `WITH_EXPIRY`, the encoded record, then its expiry (the same way).
+//   A completed value without that first byte (written before expiries were stored) is the
+//   record alone, replayed with no known expiry; a reader older than the marker refuses the
+//   new form (an unknown record version) rather than misreading it.
 const DEADLINE_LEN: usize = 8;
 const IN_PROGRESS_LEN: usize = 50;
 const HELD_LEN: usize = IN_PROGRESS_LEN + DEADLINE_LEN;
+const WITH_EXPIRY: u8 = 2;
 
 /// Returns 0 unless `current` (the key's value) is the in-progress record holding token
 /// `ARGV[1]`: version byte, `P`, 32 fingerprint bytes, 16 token bytes, 8 deadline bytes.
@@ -47,9 +52,9 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false"
 /// reply was lost.
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{READ} if current and #current == #ARGV[2] + 8
-    and string.sub(current, 1, #ARGV[2]) == ARGV[2] then return 1 end
-{FENCE} redis.call('SET', KEYS[1], ARGV[2] .. ARGV[4], 'PX', ARGV[3]) return 1"
+        "{READ} if current and #current == #ARGV[2] + 9 and string.byte(current, 1) == 2
+    and string.sub(current, 2, #ARGV[2] + 1) == ARGV[2] then return 1 end
+{FENCE} redis.call('SET', KEYS[1], '\\2' .. ARGV[2] .. ARGV[4], 'PX', ARGV[3]) return 1"
     ))
 });
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
@@ -278,29 +283,32 @@ impl Store for RedisStore {
         } else {
             self.claim_by_script(&key, &value, lease).await?
         };
-        let Some(mut current) = reply else {
+        let Some(current) = reply else {
             return Ok(Claim::Claimed(token));
         };
-        let Some(record_len) = current.len().checked_sub(DEADLINE_LEN) else {
-            return Err(unexpected(&"a value shorter than its deadline"));
-        };
-        let deadline = u64::from_be_bytes(current[record_len..].try_into().unwrap_or_default());
-        let remaining = Duration::from_millis(deadline.saturating_sub(unix_millis()));
-        current.truncate(record_len);
-        Ok(match Record::decode(Bytes::from(current))? {
-            Record::InProgress { fingerprint, .. } => Claim::InProgress {
+        let (record, deadline) = split_value(current)?;
+        let remaining =
+            |deadline: u64| Duration::from_millis(deadline.saturating_sub(unix_millis()));
+        match (Record::decode(record)?, deadline) {
+            (Record::InProgress { fingerprint, .. }, Some(deadline)) => Ok(Claim::InProgress {
                 fingerprint,
-                lease_remaining: remaining,
-            },
-            Record::Completed {
+                lease_remaining: remaining(deadline),
+            }),
+            (Record::InProgress { .. }, None) => {
+                Err(unexpected(&"an in-progress record without its deadline"))
+            }
+            (
+                Record::Completed {
+                    fingerprint,
+                    response,
+                },
+                deadline,
+            ) => Ok(Claim::Completed {
                 fingerprint,
                 response,
-            } => Claim::Completed {
-                fingerprint,
-                response,
-                expires_in: Some(remaining),
-            },
-        })
+                expires_in: deadline.map(remaining),
+            }),
+        }
     }
 
     async fn complete(
@@ -327,6 +335,25 @@ impl Store for RedisStore {
         self.fenced(&EXTEND, scope, token, &[lease.as_bytes(), &deadline])
             .await
     }
+}
+
+/// A key's value as its record and, where the value carries one, its deadline.
+fn split_value(mut value: Vec<u8>) -> Result<(Bytes, Option<u64>)> {
+    let with_expiry = value.first() == Some(&WITH_EXPIRY);
+    let in_progress = value.len() == HELD_LEN && value.get(1) == Some(&b'P');
+    if !with_expiry && !in_progress {
+        return Ok((Bytes::from(value), None));
+    }
+    let Some(at) = value.len().checked_sub(DEADLINE_LEN).filter(|&at| at > 1) else {
+        return Err(unexpected(&"a value shorter than its deadline"));
+    };
+    let deadline = u64::from_be_bytes(value[at..].try_into().unwrap_or_default());
+    value.truncate(at);
+    let mut record = Bytes::from(value);
+    if with_expiry {
+        record.advance(1);
+    }
+    Ok((record, Some(deadline)))
 }
 
 fn unexpected(reply: &impl fmt::Debug) -> Error {
