@@ -128,12 +128,13 @@ impl<S: Store> Store for CachedStore<S> {
         let key = scope.storage_key();
         {
             let mut shard = self.shard(key);
+            let now = Instant::now();
             match shard.records.get(key) {
-                Some(cached) if cached.expires_at > Instant::now() => {
+                Some(cached) if cached.expires_at > now => {
                     return Ok(Claim::Completed {
                         fingerprint: cached.fingerprint,
                         response: cached.response.clone(),
-                        expires_in: Some(cached.expires_at - Instant::now()),
+                        expires_in: Some(cached.expires_at - now),
                     });
                 }
                 Some(_) => {

@@ -52,9 +52,12 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false"
 /// reply was lost.
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{READ} if current and #current == #ARGV[2] + 9 and string.byte(current, 1) == 2
+        "{READ} if current and #current == #ARGV[2] + {marked_len}
+    and string.byte(current, 1) == {WITH_EXPIRY}
     and string.sub(current, 2, #ARGV[2] + 1) == ARGV[2] then return 1 end
-{FENCE} redis.call('SET', KEYS[1], '\\2' .. ARGV[2] .. ARGV[4], 'PX', ARGV[3]) return 1"
+{FENCE} redis.call('SET', KEYS[1], string.char({WITH_EXPIRY}) .. ARGV[2] .. ARGV[4], 'PX', ARGV[3])
+return 1",
+        marked_len = 1 + DEADLINE_LEN
     ))
 });
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
