@@ -1,4 +1,4 @@
-//! `RedisStore` against a real Redis: round trips per request, fencing, byte-exact records,
+//! `RedisStore` against a real Redis: round trips per request, batching, fencing, byte-exact records,
 //! exactly-once across independent layers, outages, and lease renewal.
 //!
 //! Tests that count commands or stop Redis run their own `redis-server`; the others share
@@ -415,6 +415,98 @@ async fn each_request_costs_the_documented_round_trips() {
     holder.await.unwrap().assert_executed();
     // Warm-up 201 and 502, then the first execution and the 500; never the replays.
     assert_eq!(handler.executions(), 4);
+}
+
+/// The commands a private Redis has run and the reads it has made from its clients, from
+/// one `INFO stats` (itself counted in the next one).
+fn commands_and_reads(server: &RedisServer) -> (u64, u64) {
+    let info = server.cli(&["INFO", "stats"]);
+    let stat = |name: &str| -> u64 {
+        info.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|value| value.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in INFO stats: {info}"))
+    };
+    (
+        stat("total_commands_processed"),
+        stat("total_reads_processed"),
+    )
+}
+
+// One worker, as on a server pinned to one core: each request's task runs in turn, and
+// without batching the connection would write each command as soon as its task yields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn commands_of_concurrent_requests_share_writes() {
+    const REQUESTS: u64 = 200;
+    let server = RedisServer::start();
+    let store = Arc::new(RedisStore::open(&server.url()).await.unwrap());
+    // Connected and warm: the counters below see only the claims (and the INFO reading).
+    let _ = store
+        .claim(
+            &scope(&new_key("warm")),
+            fingerprint(0),
+            Duration::from_secs(5),
+        )
+        .await;
+    let before = commands_and_reads(&server);
+
+    let start = Arc::new(Barrier::new(REQUESTS as usize));
+    let requests: Vec<_> = (0..REQUESTS)
+        .map(|_| {
+            let (store, start) = (store.clone(), start.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                let scope = scope(&new_key("batched"));
+                store
+                    .claim(&scope, fingerprint(1), Duration::from_secs(5))
+                    .await
+            })
+        })
+        .collect();
+    for request in requests {
+        let claim = request.await.unwrap().unwrap();
+        assert!(matches!(claim, Claim::Claimed(_)), "{claim:?}");
+    }
+
+    let after = commands_and_reads(&server);
+    // Each claim is one command; the INFO reading before them is one more.
+    assert_eq!(after.0 - before.0, REQUESTS + 1);
+    // Without batching Redis reads about one command at a time; batched, a few reads
+    // carry all of them.
+    let reads = after.1 - before.1;
+    assert!(
+        reads <= REQUESTS / 10,
+        "{REQUESTS} concurrent claims took {reads} reads: they were not batched"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_claim_dropped_before_its_batch_leaves_is_never_sent() {
+    let server = RedisServer::start();
+    let store = RedisStore::open(&server.url()).await.unwrap();
+    let scope = scope(&new_key("dropped"));
+    {
+        let claim = store.claim(&scope, fingerprint(1), Duration::from_secs(60));
+        let mut claim = std::pin::pin!(claim);
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        // Queued for the next batch, which cannot leave before this task yields.
+        assert!(claim.as_mut().poll(&mut context).is_pending());
+    }
+    sleep(Duration::from_millis(200)).await;
+
+    let mut connection = raw_connection(&server.url()).await;
+    let key = store.redis_key(&scope);
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(&key)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert!(!exists, "a claim nobody waits for holds {key}");
+    let commandstats = server.cli(&["INFO", "commandstats"]);
+    assert!(
+        !commandstats.contains("cmdstat_set:"),
+        "the dropped claim reached Redis: {commandstats}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------

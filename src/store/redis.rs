@@ -1,5 +1,7 @@
 //! The Redis store: one key per record, one round trip per operation.
 
+mod auto_pipeline;
+
 use std::{
     fmt,
     sync::{
@@ -11,8 +13,9 @@ use std::{
 
 use async_trait::async_trait;
 use bytes::{Buf, Bytes};
-use redis::{aio::ConnectionManager, Script};
+use redis::{aio::ConnectionManager, Cmd, ErrorKind, FromRedisValue, Script, ServerErrorKind};
 
+use self::auto_pipeline::AutoPipeline;
 use super::{Claim, Error, Fenced, Result, Store};
 use crate::{record::encode_completed, ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
@@ -93,7 +96,9 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 /// - One Redis key per record (`<prefix><scope>`), expiring by Redis's own TTL, so a Redis
 ///   Cluster can hold them.
 /// - One multiplexed [`ConnectionManager`] shared by all requests, reconnecting by itself
-///   after an outage.
+///   after an outage. The commands that concurrent requests issue in the same turn of the
+///   runtime go to Redis as one pipeline: one write and one read for all of them, instead
+///   of a system call and a trip through the kernel's network stack each.
 ///
 /// # Example
 ///
@@ -108,7 +113,7 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: ConnectionManager,
+    commands: Arc<AutoPipeline>,
     prefix: String,
     /// Whether the server takes `SET … NX GET` (Redis 7.0 and later); learnt on first use.
     native_claim: Arc<AtomicBool>,
@@ -163,7 +168,7 @@ impl RedisStore {
     /// policy are the application's).
     pub fn new(connection: ConnectionManager) -> Self {
         Self {
-            connection,
+            commands: Arc::new(AutoPipeline::new(connection)),
             prefix: "idempotency:".to_owned(),
             native_claim: Arc::new(AtomicBool::new(true)),
         }
@@ -192,17 +197,48 @@ impl RedisStore {
         key
     }
 
+    /// Sends `command` with the next batch of commands and reads its reply as `T`.
+    async fn query<T: FromRedisValue>(&self, command: Cmd) -> redis::RedisResult<T> {
+        let reply = self.commands.query(command).await?;
+        Ok(redis::from_redis_value(reply)?)
+    }
+
+    /// Runs `script` on `key` with `args` by its hash, loading it first where Redis does
+    /// not have it (a new or restarted server).
+    async fn eval<T: FromRedisValue>(
+        &self,
+        script: &Script,
+        key: &str,
+        args: &[&[u8]],
+    ) -> redis::RedisResult<T> {
+        let evalsha = || {
+            let mut command = redis::cmd("EVALSHA");
+            command.arg(script.get_hash()).arg(1).arg(key);
+            for arg in args {
+                command.arg(*arg);
+            }
+            command
+        };
+        match self.query(evalsha()).await {
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                script
+                    .prepare_invoke()
+                    .load_async(&mut self.commands.connection().clone())
+                    .await?;
+                self.query(evalsha()).await
+            }
+            reply => reply,
+        }
+    }
+
     async fn claim_by_script(
         &self,
         key: &str,
         value: &[u8],
         lease: Duration,
     ) -> Result<Option<Vec<u8>>> {
-        let mut invocation = CLAIM.key(key);
-        invocation.arg(value).arg(millis(lease));
-        Ok(invocation
-            .invoke_async(&mut self.connection.clone())
-            .await?)
+        let lease = millis(lease).to_string();
+        Ok(self.eval(&CLAIM, key, &[value, lease.as_bytes()]).await?)
     }
 
     async fn fenced(
@@ -212,14 +248,10 @@ impl RedisStore {
         token: ClaimToken,
         extra: &[&[u8]],
     ) -> Result<Fenced> {
-        let mut invocation = script.key(self.redis_key(scope));
-        invocation.arg(token.as_bytes().as_slice());
-        for arg in extra {
-            invocation.arg(*arg);
-        }
-        let applied: i64 = invocation
-            .invoke_async(&mut self.connection.clone())
-            .await?;
+        let mut args = Vec::with_capacity(extra.len() + 1);
+        args.push(token.as_bytes().as_slice());
+        args.extend_from_slice(extra);
+        let applied: i64 = self.eval(script, &self.redis_key(scope), &args).await?;
         Ok(if applied == 1 {
             Fenced::Applied
         } else {
@@ -273,7 +305,7 @@ impl Store for RedisStore {
                 .arg("PX")
                 .arg(millis(lease))
                 .arg("GET");
-            match set.query_async(&mut self.connection.clone()).await {
+            match self.query(set).await {
                 Err(error) if error.to_string().contains("syntax error") => {
                     tracing::info!(
                         "this Redis has no SET … NX GET (before 7.0): claiming by script"

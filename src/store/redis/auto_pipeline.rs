@@ -1,0 +1,147 @@
+//! Auto-pipelining: the commands that concurrent requests issue in one turn of the runtime
+//! reach Redis in one write and come back in one read.
+//!
+//! A command sent on its own costs the sending core a system call and the kernel's whole
+//! loopback (or network) send path, more than the rest of a request's work together. Here a
+//! request queues its command and awaits the reply; one writer task waits for every task
+//! that is ready to run to have had its turn (and so queued its own commands), then sends
+//! all that is queued as one [`Pipeline`] and hands each reply back. An idle server pays one
+//! scheduler turn per command; a loaded one pays one write for many.
+
+use std::sync::OnceLock;
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use redis::{
+    aio::{ConnectionLike, ConnectionManager},
+    Cmd, ErrorKind, Pipeline, RedisError, RedisResult, Value,
+};
+use tokio::sync::{mpsc, oneshot};
+
+/// Most commands in one write: a bound on the memory of one batch and on how long its first
+/// command waits for the rest to be encoded.
+const MAX_BATCH: usize = 512;
+
+/// A command waiting for the next batch, with where its reply goes.
+struct Queued {
+    command: Cmd,
+    reply: oneshot::Sender<RedisResult<Value>>,
+}
+
+/// Sends commands through one connection, batching those issued together.
+pub(super) struct AutoPipeline {
+    connection: ConnectionManager,
+    /// The writer's queue; the writer starts on first use, in the runtime that uses it, and
+    /// stops when the last handle to this queue is dropped.
+    queue: OnceLock<mpsc::UnboundedSender<Queued>>,
+}
+
+impl AutoPipeline {
+    pub(super) fn new(connection: ConnectionManager) -> Self {
+        Self {
+            connection,
+            queue: OnceLock::new(),
+        }
+    }
+
+    /// The connection the batches go through.
+    pub(super) fn connection(&self) -> &ConnectionManager {
+        &self.connection
+    }
+
+    /// Sends `command` with the next batch and returns its reply; a server error comes
+    /// back as `Err`.
+    pub(super) async fn query(&self, command: Cmd) -> RedisResult<Value> {
+        let queue = self.queue.get_or_init(|| {
+            let (queue, commands) = mpsc::unbounded_channel();
+            tokio::spawn(write_batches(self.connection.clone(), commands));
+            queue
+        });
+        let (reply, answer) = oneshot::channel();
+        queue
+            .send(Queued { command, reply })
+            .map_err(|_| writer_stopped())?;
+        answer.await.map_err(|_| writer_stopped())?
+    }
+}
+
+/// Takes what is queued, batch after batch, until every sender is gone and every batch
+/// answered. Batches are handed to the connection in the order they were formed.
+async fn write_batches(
+    connection: ConnectionManager,
+    mut commands: mpsc::UnboundedReceiver<Queued>,
+) {
+    let mut in_flight = FuturesUnordered::new();
+    loop {
+        let first = tokio::select! {
+            biased;
+            // Polled first, so a batch just formed is queued on the connection before the
+            // next one is; disabled while nothing is in flight.
+            Some(()) = in_flight.next() => continue,
+            next = commands.recv() => match next {
+                Some(queued) => queued,
+                None => break,
+            },
+        };
+        // Yielding puts the writer behind every task that is ready now: the requests the
+        // runtime polls in this turn queue their commands before the batch is taken.
+        tokio::task::yield_now().await;
+        let mut batch = Vec::with_capacity(commands.len().min(MAX_BATCH - 1) + 1);
+        batch.push(first);
+        while batch.len() < MAX_BATCH {
+            match commands.try_recv() {
+                Ok(queued) => batch.push(queued),
+                Err(_) => break,
+            }
+        }
+        // A command whose request went away is not sent: a claim nobody will see the
+        // answer to must not hold its key.
+        batch.retain(|queued| !queued.reply.is_closed());
+        if !batch.is_empty() {
+            in_flight.push(send(connection.clone(), batch));
+        }
+    }
+    while in_flight.next().await.is_some() {}
+}
+
+/// Sends one batch as a pipeline and answers each command with its own reply, or every
+/// command with the connection's error.
+async fn send(mut connection: ConnectionManager, batch: Vec<Queued>) {
+    let mut pipeline = Pipeline::with_capacity(batch.len());
+    let mut replies = Vec::with_capacity(batch.len());
+    for Queued { command, reply } in batch {
+        pipeline.add_command(command);
+        replies.push(reply);
+    }
+    match connection
+        .req_packed_commands(&pipeline, 0, replies.len())
+        .await
+    {
+        Ok(values) if values.len() == replies.len() => {
+            for (value, reply) in values.into_iter().zip(replies) {
+                let _ = reply.send(value.extract_error());
+            }
+        }
+        Ok(values) => {
+            let error = RedisError::from((
+                ErrorKind::Client,
+                "a pipeline answered a different number of replies than it sent commands",
+                format!("{} commands, {} replies", replies.len(), values.len()),
+            ));
+            for reply in replies {
+                let _ = reply.send(Err(error.clone()));
+            }
+        }
+        Err(error) => {
+            for reply in replies {
+                let _ = reply.send(Err(error.clone()));
+            }
+        }
+    }
+}
+
+fn writer_stopped() -> RedisError {
+    RedisError::from((
+        ErrorKind::Client,
+        "the Redis writer task has stopped (its runtime shut down)",
+    ))
+}
