@@ -1,5 +1,5 @@
-//! `RedisStore` against a real Redis: round trips per request, batching, fencing, byte-exact records,
-//! exactly-once across independent layers, outages, and lease renewal.
+//! `RedisStore` against a real Redis: round trips per request, batching, fencing,
+//! byte-exact records, exactly-once across independent layers, outages, and lease renewal.
 //!
 //! Tests that count commands or stop Redis run their own `redis-server`; the others share
 //! the suite's Redis, each under a prefix of its own.
