@@ -192,8 +192,10 @@ impl RedisStore {
 
     /// The Redis key holding a scope's record.
     pub fn redis_key(&self, scope: &Scope) -> String {
-        let mut key = self.prefix.clone();
-        key.push_str(scope.storage_key());
+        let scope = scope.storage_key();
+        let mut key = String::with_capacity(self.prefix.len() + scope.len());
+        key.push_str(&self.prefix);
+        key.push_str(scope);
         key
     }
 
@@ -212,8 +214,13 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> redis::RedisResult<T> {
         let evalsha = || {
-            let mut command = redis::cmd("EVALSHA");
-            command.arg(script.get_hash()).arg(1).arg(key);
+            let hash = script.get_hash();
+            let data = "EVALSHA1".len()
+                + hash.len()
+                + key.len()
+                + args.iter().map(|a| a.len()).sum::<usize>();
+            let mut command = Cmd::with_capacity(4 + args.len(), data);
+            command.arg("EVALSHA").arg(hash).arg(1).arg(key);
             for arg in args {
                 command.arg(*arg);
             }
@@ -298,8 +305,10 @@ impl Store for RedisStore {
         let key = self.redis_key(scope);
         let reply: Option<Vec<u8>> = if self.native_claim.load(Ordering::Relaxed) {
             // One native command: claims the key, or returns what holds it.
-            let mut set = redis::cmd("SET");
-            set.arg(&key)
+            // Sized up front: growing the command's buffers costs more than filling them.
+            let mut set = Cmd::with_capacity(7, "SETNXPXGET".len() + key.len() + value.len() + 20);
+            set.arg("SET")
+                .arg(&key)
                 .arg(value.as_slice())
                 .arg("NX")
                 .arg("PX")
