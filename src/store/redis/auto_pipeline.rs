@@ -13,13 +13,16 @@ use std::sync::OnceLock;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use redis::{
     aio::{ConnectionLike, ConnectionManager},
-    Cmd, ErrorKind, Pipeline, RedisError, RedisResult, Value,
+    Arg, Cmd, ErrorKind, Pipeline, RedisError, RedisResult, Value,
 };
 use tokio::sync::{mpsc, oneshot};
 
-/// Most commands in one write: a bound on the memory of one batch and on how long its first
-/// command waits for the rest to be encoded.
+/// Most commands in one write: a bound on how long a batch's first command waits for the
+/// rest to be encoded and answered.
 const MAX_BATCH: usize = 512;
+/// Most argument bytes in one write, past which a batch leaves with what it has: a few large
+/// records go on their own rather than hold many small commands behind them.
+const MAX_BATCH_BYTES: usize = 1 << 20;
 
 /// A command waiting for the next batch, with where its reply goes.
 struct Queued {
@@ -85,22 +88,32 @@ async fn write_batches(
         // Yielding puts the writer behind every task that is ready now: the requests the
         // runtime polls in this turn queue their commands before the batch is taken.
         tokio::task::yield_now().await;
-        let mut batch = Vec::with_capacity(commands.len().min(MAX_BATCH - 1) + 1);
-        batch.push(first);
-        while batch.len() < MAX_BATCH {
-            match commands.try_recv() {
-                Ok(queued) => batch.push(queued),
-                Err(_) => break,
-            }
-        }
-        // A command whose request went away is not sent: a claim nobody will see the
-        // answer to must not hold its key.
-        batch.retain(|queued| !queued.reply.is_closed());
+        let batch = take_batch(first, &mut commands);
         if !batch.is_empty() {
             in_flight.push(send(connection.clone(), batch));
         }
     }
     while in_flight.next().await.is_some() {}
+}
+
+/// The batch that leaves with `first`: what is queued behind it, within the bounds, less
+/// the commands whose request went away (a claim nobody will see the answer to must not
+/// hold its key).
+fn take_batch(first: Queued, commands: &mut mpsc::UnboundedReceiver<Queued>) -> Vec<Queued> {
+    let mut batch = Vec::with_capacity(commands.len().min(MAX_BATCH - 1) + 1);
+    let mut bytes = payload(&first.command);
+    batch.push(first);
+    while batch.len() < MAX_BATCH && bytes < MAX_BATCH_BYTES {
+        match commands.try_recv() {
+            Ok(queued) => {
+                bytes += payload(&queued.command);
+                batch.push(queued);
+            }
+            Err(_) => break,
+        }
+    }
+    batch.retain(|queued| !queued.reply.is_closed());
+    batch
 }
 
 /// Sends one batch as a pipeline and answers each command with its own reply, or every
@@ -139,9 +152,75 @@ async fn send(mut connection: ConnectionManager, batch: Vec<Queued>) {
     }
 }
 
+/// The bytes of a command's arguments, about what it adds to a write.
+fn payload(command: &Cmd) -> usize {
+    command
+        .args_iter()
+        .map(|arg| match arg {
+            Arg::Simple(bytes) => bytes.len(),
+            _ => 0,
+        })
+        .sum()
+}
+
 fn writer_stopped() -> RedisError {
     RedisError::from((
         ErrorKind::Client,
         "the Redis writer task has stopped (its runtime shut down)",
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Queues commands whose one argument has each of `sizes` bytes; keeps their replies
+    /// open unless the size is 0.
+    fn queue(
+        sizes: &[usize],
+    ) -> (
+        mpsc::UnboundedReceiver<Queued>,
+        Vec<oneshot::Receiver<RedisResult<Value>>>,
+    ) {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let mut answers = Vec::new();
+        for &size in sizes {
+            let mut command = Cmd::new();
+            command.arg(vec![b'x'; size]);
+            let (reply, answer) = oneshot::channel();
+            if size > 0 {
+                answers.push(answer);
+            }
+            sender.send(Queued { command, reply }).unwrap();
+        }
+        (receiver, answers)
+    }
+
+    fn batches(sizes: &[usize]) -> Vec<usize> {
+        let (mut commands, _answers) = queue(sizes);
+        let mut lengths = Vec::new();
+        while let Ok(first) = commands.try_recv() {
+            lengths.push(take_batch(first, &mut commands).len());
+        }
+        lengths
+    }
+
+    #[test]
+    fn a_batch_takes_everything_queued_up_to_its_count() {
+        assert_eq!(batches(&[10; 3]), [3]);
+        assert_eq!(batches(&[10; MAX_BATCH + 1]), [MAX_BATCH, 1]);
+    }
+
+    #[test]
+    fn a_batch_leaves_once_it_holds_its_bytes() {
+        let half = MAX_BATCH_BYTES / 2;
+        assert_eq!(batches(&[half, half, 10, 10]), [2, 2]);
+        assert_eq!(batches(&[MAX_BATCH_BYTES * 2, 10]), [1, 1]);
+    }
+
+    #[test]
+    fn commands_nobody_awaits_are_left_out() {
+        // Size 0 stands for a request that went away before its batch left.
+        assert_eq!(batches(&[10, 0, 10, 0]), [2]);
+    }
 }
