@@ -13,7 +13,10 @@ use std::{
 
 use async_trait::async_trait;
 use bytes::{Buf, Bytes};
-use redis::{aio::ConnectionManager, Cmd, ErrorKind, FromRedisValue, Script, ServerErrorKind};
+use redis::{
+    aio::ConnectionManager, io::tcp::TcpSettings, Cmd, ErrorKind, FromRedisValue,
+    IntoConnectionInfo, Script, ServerErrorKind,
+};
 
 use self::auto_pipeline::AutoPipeline;
 use super::{Claim, Error, Fenced, Result, Store};
@@ -146,13 +149,23 @@ impl From<redis::RedisError> for Error {
 impl RedisStore {
     /// Connects to `url` (`redis://host:port/db`) with a reconnecting connection whose
     /// commands time out after 2 seconds; while Redis is unreachable, a request fails after
-    /// two quick reconnection attempts instead of waiting out a long backoff.
+    /// two quick reconnection attempts instead of waiting out a long backoff. The socket
+    /// has `TCP_NODELAY` set, so that a batch of commands is not held back while the
+    /// previous batch is unanswered.
     pub async fn open(url: &str) -> Result<Self, RedisStoreError> {
-        Self::from_client(redis::Client::open(url)?).await
+        // Without TCP_NODELAY, a batch written while the previous one is unanswered waits
+        // for that answer (Nagle's algorithm): batches in flight would go one at a time.
+        let info = url
+            .into_connection_info()?
+            .set_tcp_settings(TcpSettings::default().set_nodelay(true));
+        Self::from_client(redis::Client::open(info)?).await
     }
 
     /// Connects with a client the application configured (TLS, credentials, protocol),
-    /// with the same reconnection and timeout policy as [`open`](Self::open).
+    /// with the same reconnection and timeout policy as [`open`](Self::open). The client's
+    /// own TCP settings apply: set `TCP_NODELAY` in them
+    /// ([`ConnectionInfo::set_tcp_settings`](redis::ConnectionInfo::set_tcp_settings)) unless
+    /// Nagle's algorithm is wanted.
     pub async fn from_client(client: redis::Client) -> Result<Self, RedisStoreError> {
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_response_timeout(Some(RESPONSE_TIMEOUT))
