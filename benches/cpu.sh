@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Where the CPU goes per request under load: for each server, the CPU time its process and
 # redis-server spend per request, the Redis commands per request (those run inside scripts
-# included) and how busy each of the two CPUs was (CPU 1 runs the server, CPU 0 wrk and
-# mostly Redis), and the page faults the server takes per request (memory it touches for
+# included), how busy each of the two CPUs was (CPU 1 runs the server, CPU 0 wrk; Redis
+# runs on either), the time per request CPU 1 spent on anything but the server (mostly Redis
+# woken there), and the page faults the server takes per request (memory it touches for
 # the first time); each run's Redis commandstats (time per command) go to a log beside the
 # table. Same load as benches/http.sh (the harness's first.lua and replay.lua, 128
 # connections, the server pinned to CPU 1 and wrk to CPU 0, Redis floating), one fresh
@@ -62,7 +63,11 @@ measure() { # name workload command...
     "http://$addr" -- $args | grep '^RESULT')
   local s1 r1 f1 busy0 busy1 steal; s1=$(cpu_ticks "$server"); r1=$(cpu_ticks "$redis_pid"); f1=$(faults "$server")
   busy0=$(echo "$c0 $(core_ticks 0)" | awk '{printf "%.0f", 100 * ($4 - $1) / ($5 - $2)}')
-  busy1=$(echo "$c1 $(core_ticks 1)" | awk '{printf "%.0f", 100 * ($4 - $1) / ($5 - $2)}')
+  local end1; end1=$(core_ticks 1)
+  busy1=$(echo "$c1 $end1" | awk '{printf "%.0f", 100 * ($4 - $1) / ($5 - $2)}')
+  # CPU 1's busy time that was not the server's: Redis when the kernel woke it there, and
+  # interrupt work; it takes turns with the server on the server's only core
+  local others1; others1=$(echo "$c1 $end1 $((s1 - s0))" | awk '{print $4 - $1 - $7}')
   steal=$(echo "$call $(core_ticks "")" | awk '{printf "%.0f", 100 * ($6 - $3) / ($5 - $2)}')
   local commands
   commands=$(redis_stat stats | awk -F: '/^total_commands_processed/{print $2}')
@@ -70,10 +75,11 @@ measure() { # name workload command...
   kill "$server"; wait "$server" 2>/dev/null || true
   server=
   awk -v n="$name" -v w="$workload" -v res="$result" -v s=$((s1 - s0)) -v r=$((r1 - r0)) \
-    -v t="$tick" -v c="$commands" -v b0="$busy0" -v b1="$busy1" -v st="$steal" -v pf=$((f1 - f0)) 'BEGIN {
+    -v t="$tick" -v c="$commands" -v b0="$busy0" -v b1="$busy1" -v st="$steal" -v pf=$((f1 - f0)) \
+    -v o1="$others1" 'BEGIN {
       split(res, f, " "); rps = f[2]; req = f[5]
-      printf "%s\t%s\t%.0f\t%.1f\t%.1f\t%.2f\t%d\t%d\t%d\t%.3f\n", n, w, rps, s / t * 1e6 / req,
-        r / t * 1e6 / req, c / req, b1, b0, st, pf / req }' | tee -a "$out"
+      printf "%s\t%s\t%.0f\t%.1f\t%.1f\t%.2f\t%d\t%d\t%d\t%.3f\t%.1f\n", n, w, rps, s / t * 1e6 / req,
+        r / t * 1e6 / req, c / req, b1, b0, st, pf / req, o1 / t * 1e6 / req }' | tee -a "$out"
 }
 
 for pass in $(seq "$passes"); do
@@ -86,7 +92,7 @@ for pass in $(seq "$passes"); do
   done
 done
 echo
-printf '%-20s %-7s %9s %14s %13s %9s %11s %11s %7s %11s\n' server workload req/s server_us/req redis_us/req cmds/req cpu1_busy% cpu0_busy% steal% faults/req
+printf '%-20s %-7s %9s %14s %13s %9s %11s %11s %7s %11s %16s\n' server workload req/s server_us/req redis_us/req cmds/req cpu1_busy% cpu0_busy% steal% faults/req cpu1_other_us/req
 sort -k1,1 -k2,2 -s "$out" | awk -F'\t' '
   function median(list,   n, a, i, j, t) {
     n = split(list, a, " ")
@@ -94,9 +100,9 @@ sort -k1,1 -k2,2 -s "$out" | awk -F'\t' '
     return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
   }
   { k = $1 "\t" $2; if (!(k in seen)) { seen[k] = 1; order[++n] = k }
-    for (i = 3; i <= 10; i++) v[k, i] = v[k, i] " " $i }
+    for (i = 3; i <= 11; i++) v[k, i] = v[k, i] " " $i }
   END { for (o = 1; o <= n; o++) { k = order[o]; split(k, kk, "\t")
-    printf "%-20s %-7s %9.0f %14.1f %13.1f %9.2f %11.0f %11.0f %7.0f %11.3f\n", kk[1], kk[2],
+    printf "%-20s %-7s %9.0f %14.1f %13.1f %9.2f %11.0f %11.0f %7.0f %11.3f %16.1f\n", kk[1], kk[2],
       median(v[k, 3]), median(v[k, 4]), median(v[k, 5]), median(v[k, 6]), median(v[k, 7]),
-      median(v[k, 8]), median(v[k, 9]), median(v[k, 10]) } }' \
+      median(v[k, 8]), median(v[k, 9]), median(v[k, 10]), median(v[k, 11]) } }' \
   | tee "${out%.tsv}.median.txt"
