@@ -507,6 +507,8 @@ async fn a_claim_dropped_before_its_batch_leaves_is_never_sent() {
         !commandstats.contains("cmdstat_set:"),
         "the dropped claim reached Redis: {commandstats}"
     );
+    // The writer still sends what is awaited: the same key is free for the next claim.
+    claimed(&store, &scope, fingerprint(1), Duration::from_secs(60)).await;
 }
 
 // ---------------------------------------------------------------------------------------
