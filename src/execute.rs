@@ -59,7 +59,11 @@ where
         let claim = store
             .claim_with_token(&scope, fingerprint, token, config.lease)
             .await;
-        abandoned.disarm();
+        // A claim that failed (a timeout, a dropped connection) may still have been applied:
+        // it is released like an abandoned one, so it cannot hold the key for a lease.
+        if claim.is_ok() {
+            abandoned.disarm();
+        }
         claim
     };
     match claim {
@@ -169,8 +173,8 @@ where
 }
 
 /// Releases a claim whose answer its request never saw (the request was dropped while
-/// the claim was in flight). Release is fenced by the token, so releasing a claim that did
-/// not happen is harmless.
+/// the claim was in flight, or the claim failed). Release is fenced by the token, so
+/// releasing a claim that did not happen is harmless.
 struct AbandonedClaim<'a> {
     armed: Option<(&'a Arc<dyn Store>, &'a Scope, ClaimToken)>,
 }

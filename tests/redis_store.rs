@@ -788,6 +788,73 @@ async fn an_outage_fails_closed_recovers_by_itself_or_fails_open() {
         .assert_replay_of(&first);
 }
 
+/// Redis holds a claim back past the store's timeout: the request fails closed at the
+/// timeout, not when Redis answers, and the claim Redis applies afterwards is released, so
+/// the client's retry executes instead of meeting `409` for a whole lease.
+#[tokio::test]
+async fn a_claim_answered_late_fails_closed_and_frees_its_key() {
+    let server = RedisServer::start();
+    // The connection's own response timeout (2 s) outlasts the pause: only the store's
+    // timeout can answer first.
+    let store = RedisStore::open(&server.url())
+        .await
+        .unwrap()
+        .timeout(Duration::from_millis(200));
+    let handler = Handler::default();
+    let app = handler.behind(&IdempotencyLayer::new(store).lease(Duration::from_secs(60)));
+    send(&app, post(&new_key("warm"), "{}"))
+        .await
+        .assert_executed();
+
+    server.cli(&["CLIENT", "PAUSE", "1000", "ALL"]);
+    let key = new_key("late");
+    let refused = send(&app, post(&key, "{}")).await;
+    refused.assert_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency_store_unavailable",
+    );
+    assert_eq!(handler.executions(), 1, "fail closed must not execute");
+
+    // After the pause Redis applies the late claim, then its release.
+    sleep(Duration::from_millis(1100)).await;
+    send(&app, post(&key, "{}")).await.assert_executed();
+}
+
+/// A store kept across runtimes (a static shared by tests that each run their own) keeps
+/// answering after the runtime it was first used in has shut down.
+#[test]
+fn a_store_outlives_the_runtime_it_was_first_used_in() {
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let first = runtime();
+    let (store, _) = first.block_on(isolated_store("outlives"));
+    first.block_on(claimed(
+        &store,
+        &scope(&new_key("first")),
+        fingerprint(1),
+        Duration::from_secs(5),
+    ));
+    drop(first);
+
+    runtime().block_on(async {
+        let claim = timeout(
+            OUTAGE_BOUND,
+            store.claim(
+                &scope(&new_key("second")),
+                fingerprint(1),
+                Duration::from_secs(5),
+            ),
+        )
+        .await
+        .expect("a claim in the second runtime must end");
+        assert!(matches!(claim, Ok(Claim::Claimed(_))), "{claim:?}");
+    });
+}
+
 // ---------------------------------------------------------------------------------------
 // 6. Lease renewal.
 

@@ -18,7 +18,7 @@ use redis::{
     IntoConnectionInfo, Script, ServerErrorKind,
 };
 
-use self::auto_pipeline::AutoPipeline;
+use self::auto_pipeline::{timed_out, AutoPipeline};
 use super::{Claim, Error, Fenced, Result, Store};
 use crate::{record::encode_completed, ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
@@ -66,11 +66,11 @@ return 1",
         marked_len = 1 + DEADLINE_LEN
     ))
 });
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
-        "{READ} {FENCE} redis.call('DEL', KEYS[1]) return 1"
-    ))
-});
+/// Sent whole (`EVAL`), not by hash: a release often goes out for a claim nobody awaits any
+/// more (its request went away or timed out), and then no one would be there to load the
+/// script and retry if Redis answered `NOSCRIPT`.
+static RELEASE: LazyLock<String> =
+    LazyLock::new(|| format!("{READ} {FENCE} redis.call('DEL', KEYS[1]) return 1"));
 /// `ARGV[2]` the lease in milliseconds, `ARGV[3]` the new deadline bytes.
 static EXTEND: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
@@ -94,8 +94,10 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 ///
 /// - Every operation is one round trip. The claim is one native `SET … NX PX … GET`
 ///   (a Lua script on servers before Redis 7.0), which returns the existing record in the
-///   same trip; complete, release and extend are Lua scripts (`EVALSHA`, loading the script
-///   on `NOSCRIPT`) that compare the claim token before writing.
+///   same trip; complete, release and extend are Lua scripts that compare the claim token
+///   before writing: complete and extend by hash (`EVALSHA`, loading the script on
+///   `NOSCRIPT`), release whole (`EVAL`), since it often goes out for a request that has
+///   stopped waiting.
 /// - One Redis key per record (`<prefix><scope>`), expiring by Redis's own TTL, so a Redis
 ///   Cluster can hold them.
 /// - One multiplexed [`ConnectionManager`] shared by all requests, reconnecting by itself
@@ -118,6 +120,7 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 pub struct RedisStore {
     commands: Arc<AutoPipeline>,
     prefix: String,
+    timeout: Duration,
     /// Whether the server takes `SET … NX GET` (Redis 7.0 and later); learnt on first use.
     native_claim: Arc<AtomicBool>,
 }
@@ -148,7 +151,8 @@ impl From<redis::RedisError> for Error {
 
 impl RedisStore {
     /// Connects to `url` (`redis://host:port/db`) with a reconnecting connection whose
-    /// commands time out after 2 seconds; while Redis is unreachable, a request fails after
+    /// commands time out after 2 seconds (see [`timeout`](Self::timeout) for the whole
+    /// wait of an operation); while Redis is unreachable, a request fails after
     /// two quick reconnection attempts instead of waiting out a long backoff. The socket
     /// has `TCP_NODELAY` set, so that a batch of commands is not held back while the
     /// previous batch is unanswered.
@@ -177,12 +181,14 @@ impl RedisStore {
         Ok(Self::new(connection))
     }
 
-    /// A store on a connection the application already has (its timeouts and reconnection
-    /// policy are the application's).
+    /// A store on a connection the application already has (its response timeout and
+    /// reconnection policy are the application's; [`timeout`](Self::timeout) still bounds
+    /// each operation's whole wait).
     pub fn new(connection: ConnectionManager) -> Self {
         Self {
             commands: Arc::new(AutoPipeline::new(connection)),
             prefix: "idempotency:".to_owned(),
+            timeout: RESPONSE_TIMEOUT,
             native_claim: Arc::new(AtomicBool::new(true)),
         }
     }
@@ -203,6 +209,28 @@ impl RedisStore {
         self
     }
 
+    /// The longest an operation waits for Redis, counted from when the request issues it:
+    /// time queued behind other requests' commands counts as well as time on the wire.
+    /// Past it the operation fails, and the layer answers `503` (fail closed). A command
+    /// still queued when its time runs out is not sent. Default: 2 seconds.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// use std::time::Duration;
+    /// use tower_idempotency::RedisStore;
+    /// let store = RedisStore::open("redis://127.0.0.1/")
+    ///     .await?
+    ///     .timeout(Duration::from_millis(500));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// The Redis key holding a scope's record.
     pub fn redis_key(&self, scope: &Scope) -> String {
         let scope = scope.storage_key();
@@ -214,7 +242,7 @@ impl RedisStore {
 
     /// Sends `command` with the next batch of commands and reads its reply as `T`.
     async fn query<T: FromRedisValue>(&self, command: Cmd) -> redis::RedisResult<T> {
-        let reply = self.commands.query(command).await?;
+        let reply = self.commands.query(command, self.timeout).await?;
         Ok(redis::from_redis_value(reply)?)
     }
 
@@ -241,10 +269,11 @@ impl RedisStore {
         };
         match self.query(evalsha()).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                script
-                    .prepare_invoke()
-                    .load_async(&mut self.commands.connection().clone())
-                    .await?;
+                let mut connection = self.commands.connection().clone();
+                let load = script.load_async(&mut connection);
+                tokio::time::timeout(self.timeout, load)
+                    .await
+                    .map_err(|_| timed_out(self.timeout))??;
                 self.query(evalsha()).await
             }
             reply => reply,
@@ -261,7 +290,7 @@ impl RedisStore {
         Ok(self.eval(&CLAIM, key, &[value, lease.as_bytes()]).await?)
     }
 
-    async fn fenced(
+    async fn eval_fenced(
         &self,
         script: &Script,
         scope: &Scope,
@@ -271,12 +300,17 @@ impl RedisStore {
         let mut args = Vec::with_capacity(extra.len() + 1);
         args.push(token.as_bytes().as_slice());
         args.extend_from_slice(extra);
-        let applied: i64 = self.eval(script, &self.redis_key(scope), &args).await?;
-        Ok(if applied == 1 {
-            Fenced::Applied
-        } else {
-            Fenced::Lost
-        })
+        let applied = self.eval(script, &self.redis_key(scope), &args).await?;
+        Ok(fenced(applied))
+    }
+}
+
+/// What a fenced script's reply says: 1 when it applied.
+fn fenced(applied: i64) -> Fenced {
+    if applied == 1 {
+        Fenced::Applied
+    } else {
+        Fenced::Lost
     }
 }
 
@@ -378,18 +412,27 @@ impl Store for RedisStore {
     ) -> Result<Fenced> {
         let record = encode_completed(&fingerprint, response);
         let (ttl, expiry) = (millis(ttl).to_string(), deadline(ttl).to_be_bytes());
-        self.fenced(&COMPLETE, scope, token, &[&record, ttl.as_bytes(), &expiry])
+        self.eval_fenced(&COMPLETE, scope, token, &[&record, ttl.as_bytes(), &expiry])
             .await
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
-        self.fenced(&RELEASE, scope, token, &[]).await
+        let key = self.redis_key(scope);
+        let token = token.as_bytes();
+        let mut eval =
+            Cmd::with_capacity(5, "EVAL1".len() + RELEASE.len() + key.len() + token.len());
+        eval.arg("EVAL")
+            .arg(RELEASE.as_str())
+            .arg(1)
+            .arg(&key)
+            .arg(token.as_slice());
+        Ok(fenced(self.query(eval).await?))
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
         let deadline = deadline(lease).to_be_bytes();
         let lease = millis(lease).to_string();
-        self.fenced(&EXTEND, scope, token, &[lease.as_bytes(), &deadline])
+        self.eval_fenced(&EXTEND, scope, token, &[lease.as_bytes(), &deadline])
             .await
     }
 }
@@ -421,6 +464,7 @@ impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }

@@ -8,7 +8,11 @@
 //! all that is queued as one [`Pipeline`] and hands each reply back. An idle server pays one
 //! scheduler turn per command; a loaded one pays one write for many.
 
-use std::sync::OnceLock;
+use std::{
+    io,
+    sync::{PoisonError, RwLock},
+    time::Duration,
+};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use redis::{
@@ -33,16 +37,17 @@ struct Queued {
 /// Sends commands through one connection, batching those issued together.
 pub(super) struct AutoPipeline {
     connection: ConnectionManager,
-    /// The writer's queue; the writer starts on first use, in the runtime that uses it, and
-    /// stops when the last handle to this queue is dropped.
-    queue: OnceLock<mpsc::UnboundedSender<Queued>>,
+    /// The writer's queue. The writer starts on first use, in the runtime that uses it, and
+    /// stops when the last handle to this queue is dropped or when that runtime shuts down;
+    /// then the next command starts a new one.
+    queue: RwLock<Option<mpsc::UnboundedSender<Queued>>>,
 }
 
 impl AutoPipeline {
     pub(super) fn new(connection: ConnectionManager) -> Self {
         Self {
             connection,
-            queue: OnceLock::new(),
+            queue: RwLock::new(None),
         }
     }
 
@@ -52,18 +57,46 @@ impl AutoPipeline {
     }
 
     /// Sends `command` with the next batch and returns its reply; a server error comes
-    /// back as `Err`.
-    pub(super) async fn query(&self, command: Cmd) -> RedisResult<Value> {
-        let queue = self.queue.get_or_init(|| {
-            let (queue, commands) = mpsc::unbounded_channel();
-            tokio::spawn(write_batches(self.connection.clone(), commands));
-            queue
-        });
+    /// back as `Err`, and so does no reply within `timeout`, counted from now: time spent
+    /// queued behind a busy runtime counts, not only time on the wire. A command that times
+    /// out before its batch leaves is not sent.
+    pub(super) async fn query(&self, command: Cmd, timeout: Duration) -> RedisResult<Value> {
         let (reply, answer) = oneshot::channel();
-        queue
-            .send(Queued { command, reply })
-            .map_err(|_| writer_stopped())?;
-        answer.await.map_err(|_| writer_stopped())?
+        self.enqueue(Queued { command, reply });
+        match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => Err(writer_stopped()),
+            Err(_) => Err(timed_out(timeout)),
+        }
+    }
+
+    /// Queues `queued` for the writer, starting one where there is none or where the
+    /// runtime that ran the last one has shut down.
+    fn enqueue(&self, queued: Queued) {
+        let running = self.queue.read().unwrap_or_else(PoisonError::into_inner);
+        let Some(queued) = send_to(&running, queued) else {
+            return;
+        };
+        drop(running);
+        let mut queue = self.queue.write().unwrap_or_else(PoisonError::into_inner);
+        // Another command may have started a writer since the read.
+        let Some(queued) = send_to(&queue, queued) else {
+            return;
+        };
+        let replacing = queue.is_some();
+        let (sender, commands) = mpsc::unbounded_channel();
+        tokio::spawn(write_batches(self.connection.clone(), commands, replacing));
+        // The writer holds the receiver until every sender is gone: this send succeeds.
+        let _ = sender.send(queued);
+        *queue = Some(sender);
+    }
+}
+
+/// Sends `queued` to a running writer, or gives it back where none is running.
+fn send_to(queue: &Option<mpsc::UnboundedSender<Queued>>, queued: Queued) -> Option<Queued> {
+    match queue {
+        Some(queue) => queue.send(queued).err().map(|stopped| stopped.0),
+        None => Some(queued),
     }
 }
 
@@ -72,7 +105,17 @@ impl AutoPipeline {
 async fn write_batches(
     connection: ConnectionManager,
     mut commands: mpsc::UnboundedReceiver<Queued>,
+    replacing: bool,
 ) {
+    if replacing {
+        // The writer before this one went down with its runtime, and that runtime may have
+        // been driving the connection too: a harmless command finds the connection dead and
+        // starts a reconnection, rather than the first real batch failing on it.
+        let _ = connection
+            .clone()
+            .send_packed_command(&redis::cmd("PING"))
+            .await;
+    }
     let mut in_flight = FuturesUnordered::new();
     loop {
         let first = tokio::select! {
@@ -161,6 +204,14 @@ fn payload(command: &Cmd) -> usize {
             _ => 0,
         })
         .sum()
+}
+
+/// The error of an operation that had no reply within `timeout`.
+pub(super) fn timed_out(timeout: Duration) -> RedisError {
+    RedisError::from(io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!("no reply from Redis within {timeout:?}"),
+    ))
 }
 
 fn writer_stopped() -> RedisError {
