@@ -11,6 +11,7 @@
 #
 #   benches/cpu.sh                          # 3 passes, medians
 #   PASSES=5 DURATION=10s benches/cpu.sh
+#   SERVERS="bare ours_memory" WORKLOADS=replay benches/cpu.sh   # only these runs
 set -euo pipefail
 passes=${PASSES:-3}
 duration=${DURATION:-8s}
@@ -82,10 +83,12 @@ measure() { # name workload command...
         r / t * 1e6 / req, c / req, b1, b0, st, pf / req, o1 / t * 1e6 / req }' | tee -a "$out"
 }
 
+only_servers=${SERVERS:-}
 for pass in $(seq "$passes"); do
   for entry in "${servers[@]}"; do
     name=${entry%%=*}
-    for workload in first replay; do
+    [ -z "$only_servers" ] || [[ " $only_servers " == *" $name "* ]] || continue
+    for workload in ${WORKLOADS:-first replay}; do
       # shellcheck disable=SC2086
       measure "$name" "$workload" ${entry#*=}
     done
