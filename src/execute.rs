@@ -13,7 +13,7 @@ use std::{
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
-use http::{header, HeaderMap, HeaderName, Request, Response, StatusCode};
+use http::{header, request::Parts, HeaderMap, HeaderName, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::BodyExt;
 use tower_service::Service;
@@ -43,13 +43,13 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     config: Arc<Config>,
     scope: Scope,
     fingerprint: Fingerprint,
-    request: Request<ReqBody>,
+    (parts, body): (Parts, Bytes),
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqBody: Send + 'static,
+    ReqBody: From<Bytes> + Send + 'static,
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
     ResBody::Error: fmt::Display + Send,
 {
@@ -94,6 +94,7 @@ where
                 principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
                 "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
             );
+            let request = Request::from_parts(parts, ReqBody::from(body));
             let response = inner.call(request).await?;
             return Ok(response.map(ResponseBody::inner));
         }
@@ -111,6 +112,8 @@ where
         scope,
         token,
     };
+    // Rebuilt only here: a replay or a rejection never needs the request again.
+    let request = Request::from_parts(parts, ReqBody::from(body));
     FinishOnDrop::new(held.execute(inner, fingerprint, request)).await
 }
 

@@ -6,7 +6,7 @@ use std::{
     task::{Context, Poll},
 };
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use http::{request::Parts, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -113,8 +113,7 @@ where
     let principal = config.principal.0.extract(&parts);
     let scope = Scope::new(principal, endpoint(&config.endpoint, &parts), key);
     let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
-    let request = Request::from_parts(parts, ReqBody::from(body));
-    execute::run(inner, store, config, scope, fingerprint, request).await
+    execute::run(inner, store, config, scope, fingerprint, (parts, body)).await
 }
 
 async fn buffer_request<B>(parts: &Parts, body: B, limit: usize) -> Result<Bytes, Rejection>
@@ -131,11 +130,36 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large);
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.is::<LengthLimitError>() => Err(too_large),
-        Err(_) => Err(Rejection::InvalidBody),
+    let reading = |error: BoxError| {
+        if error.is::<LengthLimitError>() {
+            too_large
+        } else {
+            Rejection::InvalidBody
+        }
+    };
+    // Most bodies arrive as one chunk, kept as it came; more are joined. (`collect` would
+    // queue every chunk in a list first, one allocation more per request.)
+    let mut body = std::pin::pin!(Limited::new(body, limit));
+    let (mut first, mut joined) = (Bytes::new(), BytesMut::new());
+    while let Some(frame) = body.frame().await {
+        let Ok(mut data) = frame.map_err(reading)?.into_data() else {
+            continue;
+        };
+        let data = data.copy_to_bytes(data.remaining());
+        if first.is_empty() {
+            first = data;
+        } else {
+            if joined.is_empty() {
+                joined.extend_from_slice(&first);
+            }
+            joined.extend_from_slice(&data);
+        }
     }
+    Ok(if joined.is_empty() {
+        first
+    } else {
+        joined.freeze()
+    })
 }
 
 fn endpoint(endpoint: &Endpoint, parts: &Parts) -> String {
@@ -163,5 +187,60 @@ impl<S: fmt::Debug> fmt::Debug for Idempotency<S> {
             .field("store", &self.store)
             .field("config", &self.config)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body::Frame;
+    use http_body_util::StreamBody;
+
+    use super::*;
+
+    /// The body `buffer_request` makes of `frames` (data, or trailers where `None`).
+    async fn buffered(frames: &[Option<&str>], limit: usize) -> Result<Bytes, Rejection> {
+        let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = frames
+            .iter()
+            .map(|frame| {
+                Ok(match frame {
+                    Some(data) => Frame::data(Bytes::copy_from_slice(data.as_bytes())),
+                    None => Frame::trailers(http::HeaderMap::new()),
+                })
+            })
+            .collect();
+        let body = StreamBody::new(futures_util::stream::iter(frames));
+        let parts = Request::new(()).into_parts().0;
+        buffer_request(&parts, body, limit).await
+    }
+
+    #[tokio::test]
+    async fn chunks_are_joined_in_order_and_trailers_skipped() {
+        assert_eq!(buffered(&[Some("abc")], 64).await.unwrap(), "abc");
+        assert_eq!(
+            buffered(&[Some(""), Some("ab"), Some(""), Some("c"), None], 64)
+                .await
+                .unwrap(),
+            "abc"
+        );
+        assert_eq!(
+            buffered(&[Some("a"), Some("b"), Some("c")], 64)
+                .await
+                .unwrap(),
+            "abc"
+        );
+        assert_eq!(buffered(&[], 64).await.unwrap(), "");
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_refused_however_it_is_chunked() {
+        assert_eq!(
+            buffered(&[Some("ab"), Some("cd")], 3).await,
+            Err(Rejection::BodyTooLarge { limit: 3 })
+        );
+        assert_eq!(
+            buffered(&[Some("abcd")], 3).await,
+            Err(Rejection::BodyTooLarge { limit: 3 })
+        );
+        assert_eq!(buffered(&[Some("ab"), Some("c")], 3).await.unwrap(), "abc");
     }
 }
