@@ -73,8 +73,8 @@ pub struct DecodeError(&'static str);
 
 /// The first byte of every encoded record; a later release that changes the layout bumps
 /// it and keeps reading this one.
-const VERSION_1: u8 = 1;
-const IN_PROGRESS: u8 = b'P';
+pub(crate) const VERSION_1: u8 = 1;
+pub(crate) const IN_PROGRESS: u8 = b'P';
 const COMPLETED: u8 = b'C';
 
 impl Record {
@@ -143,19 +143,34 @@ impl Record {
 
 /// [`Record::encode`] of a completed record, without building the record.
 pub(crate) fn encode_completed(fingerprint: &Fingerprint, response: &StoredResponse) -> Bytes {
+    let mut out = BytesMut::with_capacity(completed_len(response));
+    put_completed(&mut out, fingerprint, response);
+    out.freeze()
+}
+
+/// The length of the completed record of `response`.
+pub(crate) fn completed_len(response: &StoredResponse) -> usize {
     let headers_len: usize = response
         .headers
         .iter()
         .map(|(name, value)| 8 + name.as_str().len() + value.len())
         .sum();
-    let mut out = BytesMut::with_capacity(2 + 32 + 6 + headers_len + response.body.len());
+    2 + 32 + 6 + headers_len + response.body.len()
+}
+
+/// Writes the completed record of `response` at the end of `out`, for a store that frames
+/// it with bytes of its own.
+pub(crate) fn put_completed(
+    out: &mut BytesMut,
+    fingerprint: &Fingerprint,
+    response: &StoredResponse,
+) {
     out.put_u8(VERSION_1);
     out.put_u8(COMPLETED);
     out.put_slice(fingerprint.as_bytes());
     out.put_u16(response.status.as_u16());
-    put_headers(&mut out, &response.headers);
+    put_headers(out, &response.headers);
     out.put_slice(&response.body);
-    out.freeze()
 }
 
 /// Writes `header count u32, (name len u32, name, value len u32, value)*`, keeping order

@@ -12,7 +12,7 @@ use std::{
 };
 
 use async_trait::async_trait;
-use bytes::{Buf, Bytes};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use redis::{
     aio::ConnectionManager, io::tcp::TcpSettings, Cmd, ErrorKind, FromRedisValue,
     IntoConnectionInfo, Script, ServerErrorKind,
@@ -20,7 +20,10 @@ use redis::{
 
 use self::auto_pipeline::{timed_out, AutoPipeline};
 use super::{Claim, Error, Fenced, Result, Store};
-use crate::{record::encode_completed, ClaimToken, Fingerprint, Record, Scope, StoredResponse};
+use crate::{
+    record::{self, completed_len, put_completed},
+    ClaimToken, Fingerprint, Record, Scope, StoredResponse,
+};
 
 // The value of a key says until when it is live, so that a claim which finds it can say how
 // long to wait, or how long a copy may be cached, without asking Redis for the key's TTL:
@@ -37,11 +40,25 @@ const WITH_EXPIRY: u8 = 2;
 
 /// Returns 0 unless `current` (the key's value) is the in-progress record holding token
 /// `ARGV[1]`: version byte, `P`, 32 fingerprint bytes, 16 token bytes, 8 deadline bytes.
-const FENCE: &str = r"
-local held = current and #current == 58 and string.sub(current, 1, 2) == '\1P'
-    and string.sub(current, 35, 50) == ARGV[1]
-if not held then return 0 end
-";
+/// Compared in place (`string.byte`, an anchored plain `string.find`): taking substrings
+/// would make Redis allocate and intern a Lua string for each.
+static FENCE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "local held = current and #current == {HELD_LEN}
+    and string.byte(current, 1) == {VERSION} and string.byte(current, 2) == {IN_PROGRESS}
+    and string.find(current, ARGV[1], {TOKEN_AT}, true) == {TOKEN_AT}
+if not held then return 0 end",
+        VERSION = record::VERSION_1,
+        IN_PROGRESS = record::IN_PROGRESS,
+        // Lua counts from 1.
+        TOKEN_AT = TOKEN_OFFSET + 1,
+    )
+});
+/// Where the claim token starts in an in-progress value: after the version, the kind and
+/// the fingerprint.
+const TOKEN_OFFSET: usize = 2 + 32;
+// The token (16 bytes) ends the record.
+const _: () = assert!(TOKEN_OFFSET + 16 == IN_PROGRESS_LEN);
 const READ: &str = "local current = redis.call('GET', KEYS[1])";
 
 /// The claim for servers without `SET … NX GET` (before Redis 7.0): the same reply, the
@@ -52,30 +69,33 @@ static CLAIM: LazyLock<Script> = LazyLock::new(|| {
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false"
     ))
 });
-/// `ARGV[2]` the encoded record, `ARGV[3]` the TTL in milliseconds, `ARGV[4]` the expiry
-/// bytes. Completing twice with the same record applies once and answers 1 both times (the
-/// retry's expiry differs, the record does not), so the layer may retry a completion whose
-/// reply was lost.
+/// `ARGV[2]` the completed value (marker, record, expiry: stored as sent), `ARGV[3]` the
+/// TTL in milliseconds. Completing twice with the same record applies once and answers 1
+/// both times (the retry's expiry differs, the record does not), so the layer may retry a
+/// completion whose reply was lost.
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{READ} if current and #current == #ARGV[2] + {marked_len}
-    and string.byte(current, 1) == {WITH_EXPIRY}
-    and string.sub(current, 2, #ARGV[2] + 1) == ARGV[2] then return 1 end
-{FENCE} redis.call('SET', KEYS[1], string.char({WITH_EXPIRY}) .. ARGV[2] .. ARGV[4], 'PX', ARGV[3])
+        "{READ} if current and #current == #ARGV[2] and string.byte(current, 1) == {WITH_EXPIRY}
+    and string.sub(current, 1, -{after_record}) == string.sub(ARGV[2], 1, -{after_record})
+    then return 1 end
+{fence} redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1",
-        marked_len = 1 + DEADLINE_LEN
+        fence = *FENCE,
+        after_record = DEADLINE_LEN + 1,
     ))
 });
 /// Sent whole (`EVAL`), not by hash: a release often goes out for a claim nobody awaits any
 /// more (its request went away or timed out), and then no one would be there to load the
 /// script and retry if Redis answered `NOSCRIPT`.
 static RELEASE: LazyLock<String> =
-    LazyLock::new(|| format!("{READ} {FENCE} redis.call('DEL', KEYS[1]) return 1"));
+    LazyLock::new(|| format!("{READ} {} redis.call('DEL', KEYS[1]) return 1", *FENCE));
 /// `ARGV[2]` the lease in milliseconds, `ARGV[3]` the new deadline bytes.
 static EXTEND: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{READ} {FENCE}
-redis.call('SET', KEYS[1], string.sub(current, 1, 50) .. ARGV[3], 'PX', ARGV[2]) return 1"
+        "{READ} {fence}
+redis.call('SET', KEYS[1], string.sub(current, 1, {IN_PROGRESS_LEN}) .. ARGV[3], 'PX', ARGV[2])
+return 1",
+        fence = *FENCE,
     ))
 });
 
@@ -410,9 +430,13 @@ impl Store for RedisStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced> {
-        let record = encode_completed(&fingerprint, response);
-        let (ttl, expiry) = (millis(ttl).to_string(), deadline(ttl).to_be_bytes());
-        self.eval_fenced(&COMPLETE, scope, token, &[&record, ttl.as_bytes(), &expiry])
+        // The value as Redis stores it, so that the script sets it without concatenating.
+        let mut value = BytesMut::with_capacity(1 + completed_len(response) + DEADLINE_LEN);
+        value.put_u8(WITH_EXPIRY);
+        put_completed(&mut value, &fingerprint, response);
+        value.put_u64(deadline(ttl));
+        let ttl = millis(ttl).to_string();
+        self.eval_fenced(&COMPLETE, scope, token, &[&value, ttl.as_bytes()])
             .await
     }
 
@@ -440,7 +464,7 @@ impl Store for RedisStore {
 /// A key's value as its record and, where the value carries one, its deadline.
 fn split_value(mut value: Vec<u8>) -> Result<(Bytes, Option<u64>)> {
     let with_expiry = value.first() == Some(&WITH_EXPIRY);
-    let in_progress = value.len() == HELD_LEN && value.get(1) == Some(&b'P');
+    let in_progress = value.len() == HELD_LEN && value.get(1) == Some(&record::IN_PROGRESS);
     if !with_expiry && !in_progress {
         return Ok((Bytes::from(value), None));
     }
