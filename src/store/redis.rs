@@ -18,7 +18,7 @@ use redis::{
     IntoConnectionInfo, Script, ServerErrorKind,
 };
 
-use self::auto_pipeline::{timed_out, AutoPipeline};
+use self::auto_pipeline::{timed_out, AutoPipeline, Unawaited};
 use super::{Claim, Error, Fenced, Result, Store};
 use crate::{
     record::{self, completed_len, put_completed},
@@ -229,10 +229,13 @@ impl RedisStore {
         self
     }
 
-    /// The longest an operation waits for Redis, counted from when the request issues it:
+    /// The longest each command waits for Redis, counted from when the request issues it:
     /// time queued behind other requests' commands counts as well as time on the wire.
-    /// Past it the operation fails, and the layer answers `503` (fail closed). A command
-    /// still queued when its time runs out is not sent. Default: 2 seconds.
+    /// Past it the operation fails, and the layer answers `503` (fail closed). A claim
+    /// still queued when its time runs out is not sent; a fenced write (complete, extend,
+    /// release) still is, since dropping a completion would lose its record. An operation
+    /// that finds its script missing on the server (`NOSCRIPT`) loads it and tries again,
+    /// each step within this bound. Default: 2 seconds.
     ///
     /// # Example
     ///
@@ -261,8 +264,15 @@ impl RedisStore {
     }
 
     /// Sends `command` with the next batch of commands and reads its reply as `T`.
-    async fn query<T: FromRedisValue>(&self, command: Cmd) -> redis::RedisResult<T> {
-        let reply = self.commands.query(command, self.timeout).await?;
+    async fn query<T: FromRedisValue>(
+        &self,
+        command: Cmd,
+        unawaited: Unawaited,
+    ) -> redis::RedisResult<T> {
+        let reply = self
+            .commands
+            .query(command, self.timeout, unawaited)
+            .await?;
         Ok(redis::from_redis_value(reply)?)
     }
 
@@ -273,6 +283,7 @@ impl RedisStore {
         script: &Script,
         key: &str,
         args: &[&[u8]],
+        unawaited: Unawaited,
     ) -> redis::RedisResult<T> {
         let evalsha = || {
             let hash = script.get_hash();
@@ -287,14 +298,14 @@ impl RedisStore {
             }
             command
         };
-        match self.query(evalsha()).await {
+        match self.query(evalsha(), unawaited).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let mut connection = self.commands.connection().clone();
                 let load = script.load_async(&mut connection);
                 tokio::time::timeout(self.timeout, load)
                     .await
                     .map_err(|_| timed_out(self.timeout))??;
-                self.query(evalsha()).await
+                self.query(evalsha(), unawaited).await
             }
             reply => reply,
         }
@@ -307,7 +318,9 @@ impl RedisStore {
         lease: Duration,
     ) -> Result<Option<Vec<u8>>> {
         let lease = millis(lease).to_string();
-        Ok(self.eval(&CLAIM, key, &[value, lease.as_bytes()]).await?)
+        Ok(self
+            .eval(&CLAIM, key, &[value, lease.as_bytes()], Unawaited::Skip)
+            .await?)
     }
 
     async fn eval_fenced(
@@ -320,7 +333,8 @@ impl RedisStore {
         let mut args = Vec::with_capacity(extra.len() + 1);
         args.push(token.as_bytes().as_slice());
         args.extend_from_slice(extra);
-        let applied = self.eval(script, &self.redis_key(scope), &args).await?;
+        let key = self.redis_key(scope);
+        let applied = self.eval(script, &key, &args, Unawaited::Send).await?;
         Ok(fenced(applied))
     }
 }
@@ -381,7 +395,7 @@ impl Store for RedisStore {
                 .arg("PX")
                 .arg(millis(lease))
                 .arg("GET");
-            match self.query(set).await {
+            match self.query(set, Unawaited::Skip).await {
                 Err(error) if error.to_string().contains("syntax error") => {
                     tracing::info!(
                         "this Redis has no SET … NX GET (before 7.0): claiming by script"
@@ -450,7 +464,7 @@ impl Store for RedisStore {
             .arg(1)
             .arg(&key)
             .arg(token.as_slice());
-        Ok(fenced(self.query(eval).await?))
+        Ok(fenced(self.query(eval, Unawaited::Send).await?))
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {

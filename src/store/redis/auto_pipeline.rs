@@ -32,6 +32,19 @@ const MAX_BATCH_BYTES: usize = 1 << 20;
 struct Queued {
     command: Cmd,
     reply: oneshot::Sender<RedisResult<Value>>,
+    /// Whether the command is left out once nobody awaits its reply (see [`Unawaited`]).
+    skip_unawaited: bool,
+}
+
+/// What becomes of a command whose caller stopped waiting (timed out, or was dropped)
+/// before its batch left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Unawaited {
+    /// Left out: a claim nobody will see the answer to must not hold its key.
+    Skip,
+    /// Sent all the same: a fenced write (complete, extend, release) acts only for its own
+    /// claim and may be repeated, and dropping a completion would lose the record.
+    Send,
 }
 
 /// Sends commands through one connection, batching those issued together.
@@ -59,10 +72,19 @@ impl AutoPipeline {
     /// Sends `command` with the next batch and returns its reply; a server error comes
     /// back as `Err`, and so does no reply within `timeout`, counted from now: time spent
     /// queued behind a busy runtime counts, not only time on the wire. A command that times
-    /// out before its batch leaves is not sent.
-    pub(super) async fn query(&self, command: Cmd, timeout: Duration) -> RedisResult<Value> {
+    /// out before its batch leaves is sent or not as `unawaited` says.
+    pub(super) async fn query(
+        &self,
+        command: Cmd,
+        timeout: Duration,
+        unawaited: Unawaited,
+    ) -> RedisResult<Value> {
         let (reply, answer) = oneshot::channel();
-        self.enqueue(Queued { command, reply });
+        self.enqueue(Queued {
+            command,
+            reply,
+            skip_unawaited: unawaited == Unawaited::Skip,
+        });
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(_)) => Err(writer_stopped()),
@@ -140,7 +162,7 @@ async fn write_batches(
 }
 
 /// The batch that leaves with `first`: what is queued behind it, within the bounds, less
-/// the commands whose request went away (a claim nobody will see the answer to must not
+/// the claims whose request went away (a claim nobody will see the answer to must not
 /// hold its key).
 fn take_batch(first: Queued, commands: &mut mpsc::UnboundedReceiver<Queued>) -> Vec<Queued> {
     let mut batch = Vec::with_capacity(commands.len().min(MAX_BATCH - 1) + 1);
@@ -155,7 +177,7 @@ fn take_batch(first: Queued, commands: &mut mpsc::UnboundedReceiver<Queued>) -> 
             Err(_) => break,
         }
     }
-    batch.retain(|queued| !queued.reply.is_closed());
+    batch.retain(|queued| !(queued.skip_unawaited && queued.reply.is_closed()));
     batch
 }
 
@@ -164,7 +186,7 @@ fn take_batch(first: Queued, commands: &mut mpsc::UnboundedReceiver<Queued>) -> 
 async fn send(mut connection: ConnectionManager, batch: Vec<Queued>) {
     let mut pipeline = Pipeline::with_capacity(batch.len());
     let mut replies = Vec::with_capacity(batch.len());
-    for Queued { command, reply } in batch {
+    for Queued { command, reply, .. } in batch {
         pipeline.add_command(command);
         replies.push(reply);
     }
@@ -242,7 +264,15 @@ mod tests {
             if size > 0 {
                 answers.push(answer);
             }
-            sender.send(Queued { command, reply }).unwrap();
+            // Odd sizes stand for fenced writes, sent even when nobody awaits them.
+            let skip_unawaited = size % 2 == 0;
+            sender
+                .send(Queued {
+                    command,
+                    reply,
+                    skip_unawaited,
+                })
+                .unwrap();
         }
         (receiver, answers)
     }
@@ -270,8 +300,22 @@ mod tests {
     }
 
     #[test]
-    fn commands_nobody_awaits_are_left_out() {
-        // Size 0 stands for a request that went away before its batch left.
+    fn claims_nobody_awaits_are_left_out() {
+        // Size 0 stands for a claim whose request went away before its batch left.
         assert_eq!(batches(&[10, 0, 10, 0]), [2]);
+    }
+
+    #[test]
+    fn fenced_writes_nobody_awaits_still_leave() {
+        let (mut commands, answers) = queue(&[11, 11, 10]);
+        // The first write's caller timed out, and so did the claim's.
+        drop(answers);
+        let first = commands.try_recv().unwrap();
+        let batch = take_batch(first, &mut commands);
+        let sizes: Vec<usize> = batch
+            .iter()
+            .map(|queued| payload(&queued.command))
+            .collect();
+        assert_eq!(sizes, [11, 11]);
     }
 }
