@@ -32,8 +32,8 @@ const MAX_BATCH_BYTES: usize = 1 << 20;
 struct Queued {
     command: Cmd,
     reply: oneshot::Sender<RedisResult<Value>>,
-    /// Whether the command is left out once nobody awaits its reply (see [`Unawaited`]).
-    skip_unawaited: bool,
+    /// Whether the command still leaves once nobody awaits its reply.
+    unawaited: Unawaited,
 }
 
 /// What becomes of a command whose caller stopped waiting (timed out, or was dropped)
@@ -83,7 +83,7 @@ impl AutoPipeline {
         self.enqueue(Queued {
             command,
             reply,
-            skip_unawaited: unawaited == Unawaited::Skip,
+            unawaited,
         });
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(reply)) => reply,
@@ -177,7 +177,7 @@ fn take_batch(first: Queued, commands: &mut mpsc::UnboundedReceiver<Queued>) -> 
             Err(_) => break,
         }
     }
-    batch.retain(|queued| !(queued.skip_unawaited && queued.reply.is_closed()));
+    batch.retain(|queued| queued.unawaited == Unawaited::Send || !queued.reply.is_closed());
     batch
 }
 
@@ -265,12 +265,16 @@ mod tests {
                 answers.push(answer);
             }
             // Odd sizes stand for fenced writes, sent even when nobody awaits them.
-            let skip_unawaited = size % 2 == 0;
+            let unawaited = if size % 2 == 0 {
+                Unawaited::Skip
+            } else {
+                Unawaited::Send
+            };
             sender
                 .send(Queued {
                     command,
                     reply,
-                    skip_unawaited,
+                    unawaited,
                 })
                 .unwrap();
         }
