@@ -171,8 +171,8 @@ impl From<redis::RedisError> for Error {
 
 impl RedisStore {
     /// Connects to `url` (`redis://host:port/db`) with a reconnecting connection whose
-    /// commands time out after 2 seconds (see [`timeout`](Self::timeout) for the whole
-    /// wait of an operation); while Redis is unreachable, a request fails after
+    /// commands time out after 2 seconds (see [`timeout`](Self::timeout) for a command's
+    /// whole wait); while Redis is unreachable, a request fails after
     /// two quick reconnection attempts instead of waiting out a long backoff. The socket
     /// has `TCP_NODELAY` set, so that a batch of commands is not held back while the
     /// previous batch is unanswered.
@@ -203,7 +203,7 @@ impl RedisStore {
 
     /// A store on a connection the application already has (its response timeout and
     /// reconnection policy are the application's; [`timeout`](Self::timeout) still bounds
-    /// each operation's whole wait).
+    /// each command's whole wait).
     pub fn new(connection: ConnectionManager) -> Self {
         Self {
             commands: Arc::new(AutoPipeline::new(connection)),
@@ -285,19 +285,7 @@ impl RedisStore {
         args: &[&[u8]],
         unawaited: Unawaited,
     ) -> redis::RedisResult<T> {
-        let evalsha = || {
-            let hash = script.get_hash();
-            let data = "EVALSHA1".len()
-                + hash.len()
-                + key.len()
-                + args.iter().map(|a| a.len()).sum::<usize>();
-            let mut command = Cmd::with_capacity(4 + args.len(), data);
-            command.arg("EVALSHA").arg(hash).arg(1).arg(key);
-            for arg in args {
-                command.arg(*arg);
-            }
-            command
-        };
+        let evalsha = || script_command("EVALSHA", script.get_hash(), key, args);
         match self.query(evalsha(), unawaited).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let mut connection = self.commands.connection().clone();
@@ -337,6 +325,19 @@ impl RedisStore {
         let applied = self.eval(script, &key, &args, Unawaited::Send).await?;
         Ok(fenced(applied))
     }
+}
+
+/// `<verb> <script> 1 <key> <args…>` (`EVAL` with the script's source, `EVALSHA` with its
+/// hash), sized up front: growing the command's buffers costs more than filling them.
+fn script_command(verb: &str, script: &str, key: &str, args: &[&[u8]]) -> Cmd {
+    let data =
+        verb.len() + script.len() + 1 + key.len() + args.iter().map(|arg| arg.len()).sum::<usize>();
+    let mut command = Cmd::with_capacity(4 + args.len(), data);
+    command.arg(verb).arg(script).arg(1).arg(key);
+    for arg in args {
+        command.arg(*arg);
+    }
+    command
 }
 
 /// What a fenced script's reply says: 1 when it applied.
@@ -456,14 +457,7 @@ impl Store for RedisStore {
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = self.redis_key(scope);
-        let token = token.as_bytes();
-        let mut eval =
-            Cmd::with_capacity(5, "EVAL1".len() + RELEASE.len() + key.len() + token.len());
-        eval.arg("EVAL")
-            .arg(RELEASE.as_str())
-            .arg(1)
-            .arg(&key)
-            .arg(token.as_slice());
+        let eval = script_command("EVAL", &RELEASE, &key, &[token.as_bytes()]);
         Ok(fenced(self.query(eval, Unawaited::Send).await?))
     }
 
