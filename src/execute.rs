@@ -53,7 +53,7 @@ where
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
     ResBody::Error: fmt::Display + Send,
 {
-    let token = ClaimToken::random();
+    let token = ClaimToken::unique();
     let claim = {
         let abandoned = AbandonedClaim::arm(&store, &scope, token);
         let claim = store

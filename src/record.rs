@@ -1,6 +1,6 @@
 //! What a store keeps for a key, and its versioned byte encoding.
 
-use std::fmt;
+use std::{cell::Cell, fmt};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -13,9 +13,17 @@ use crate::Fingerprint;
 pub struct ClaimToken([u8; 16]);
 
 impl ClaimToken {
-    /// A fresh random token (128 bits).
-    pub fn random() -> Self {
-        Self(rand::random())
+    /// A token no other claim holds. Each thread counts up from a random 128-bit start, so
+    /// two tokens collide only if two threads' starts land within one count of each other
+    /// (odds about `threads² × tokens per thread / 2¹²⁸`), without a random draw per claim.
+    pub fn unique() -> Self {
+        thread_local! {
+            static NEXT: Cell<u128> = Cell::new(rand::random());
+        }
+        Self(
+            NEXT.with(|next| next.replace(next.get().wrapping_add(1)))
+                .to_be_bytes(),
+        )
     }
 
     /// A token from its stored bytes.
@@ -230,7 +238,20 @@ fn take_bytes(bytes: &mut Bytes) -> Result<Bytes, DecodeError> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+
     use super::*;
+
+    #[test]
+    fn tokens_are_unique_within_and_across_threads() {
+        let draw = || (0..1000).map(|_| ClaimToken::unique()).collect::<Vec<_>>();
+        let other = std::thread::spawn(draw).join().unwrap();
+        let mut seen = HashSet::new();
+        for token in draw().into_iter().chain(other) {
+            assert!(seen.insert(token), "{token:?} was handed out twice");
+        }
+        assert_eq!(seen.len(), 2000);
+    }
 
     fn completed(body: &'static [u8]) -> Record {
         let mut headers = HeaderMap::new();
@@ -254,7 +275,7 @@ mod tests {
             completed(b""),
             Record::InProgress {
                 fingerprint: Fingerprint::from_bytes([1; 32]),
-                token: ClaimToken::random(),
+                token: ClaimToken::unique(),
             },
         ] {
             assert_eq!(Record::decode(record.encode()).unwrap(), record);

@@ -578,7 +578,7 @@ async fn completing_twice_with_one_token_is_harmless(store: Arc<dyn Store>) {
         other => panic!("expected the completed record, got {other:?}"),
     }
     // Another claim still cannot overwrite it.
-    let other = tower_idempotency::ClaimToken::random();
+    let other = tower_idempotency::ClaimToken::unique();
     let overwrite = StoredResponse {
         body: Bytes::from_static(b"twice"),
         ..response.clone()

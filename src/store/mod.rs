@@ -107,14 +107,14 @@ pub trait Store: Debug + Send + Sync + 'static {
         lease: Duration,
     ) -> Result<Claim>;
 
-    /// [`claim_with_token`](Self::claim_with_token) with a fresh random token.
+    /// [`claim_with_token`](Self::claim_with_token) with a fresh [`ClaimToken::unique`].
     async fn claim(
         &self,
         scope: &Scope,
         fingerprint: Fingerprint,
         lease: Duration,
     ) -> Result<Claim> {
-        self.claim_with_token(scope, fingerprint, ClaimToken::random(), lease)
+        self.claim_with_token(scope, fingerprint, ClaimToken::unique(), lease)
             .await
     }
 
