@@ -1,6 +1,6 @@
 //! The store contract, and the stores that meet it.
 
-use std::{fmt::Debug, time::Duration};
+use std::{fmt::Debug, future::Future, pin::Pin, time::Duration};
 
 use async_trait::async_trait;
 
@@ -142,39 +142,70 @@ pub trait Store: Debug + Send + Sync + 'static {
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced>;
 }
 
+/// The future of a [`Store`] operation, as `#[async_trait]` writes it.
+type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
+
 /// A shared store is a store: layers can share one chosen at run time.
-#[async_trait]
+///
+/// Written out rather than with `#[async_trait]`, which would box each call's future a
+/// second time around the shared store's own.
 impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
-    async fn claim_with_token(
-        &self,
-        scope: &Scope,
+    fn claim_with_token<'s, 'scope, 'f>(
+        &'s self,
+        scope: &'scope Scope,
         fingerprint: Fingerprint,
         token: ClaimToken,
         lease: Duration,
-    ) -> Result<Claim> {
-        (**self)
-            .claim_with_token(scope, fingerprint, token, lease)
-            .await
+    ) -> StoreFuture<'f, Claim>
+    where
+        's: 'f,
+        'scope: 'f,
+        Self: 'f,
+    {
+        (**self).claim_with_token(scope, fingerprint, token, lease)
     }
 
-    async fn complete(
-        &self,
-        scope: &Scope,
+    fn complete<'s, 'scope, 'response, 'f>(
+        &'s self,
+        scope: &'scope Scope,
         token: ClaimToken,
         fingerprint: Fingerprint,
-        response: &StoredResponse,
+        response: &'response StoredResponse,
         ttl: Duration,
-    ) -> Result<Fenced> {
-        (**self)
-            .complete(scope, token, fingerprint, response, ttl)
-            .await
+    ) -> StoreFuture<'f, Fenced>
+    where
+        's: 'f,
+        'scope: 'f,
+        'response: 'f,
+        Self: 'f,
+    {
+        (**self).complete(scope, token, fingerprint, response, ttl)
     }
 
-    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
-        (**self).release(scope, token).await
+    fn release<'s, 'scope, 'f>(
+        &'s self,
+        scope: &'scope Scope,
+        token: ClaimToken,
+    ) -> StoreFuture<'f, Fenced>
+    where
+        's: 'f,
+        'scope: 'f,
+        Self: 'f,
+    {
+        (**self).release(scope, token)
     }
 
-    async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
-        (**self).extend(scope, token, lease).await
+    fn extend<'s, 'scope, 'f>(
+        &'s self,
+        scope: &'scope Scope,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> StoreFuture<'f, Fenced>
+    where
+        's: 'f,
+        'scope: 'f,
+        Self: 'f,
+    {
+        (**self).extend(scope, token, lease)
     }
 }
