@@ -1,40 +1,65 @@
 //! Where a key means something: `(principal, endpoint, key)`, and its storage key.
 
+use std::ops::Range;
+
 use crate::IdempotencyKey;
 
 /// The scope of one idempotency key: the same key sent by two principals, or to two
 /// endpoints, names two different operations.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Scope {
-    principal: Option<String>,
-    endpoint: String,
-    key: IdempotencyKey,
-    /// Built once: every store operation on the request names the record by it.
+    /// Built once: every store operation on the request names the record by it. The
+    /// principal and the endpoint are read back out of it rather than kept twice.
     storage_key: String,
+    principal: Option<Range<usize>>,
+    endpoint: Range<usize>,
+    key: IdempotencyKey,
 }
 
 impl Scope {
     /// A scope from its three parts; `None` (or an empty name, which a store with a text
     /// column cannot tell from it) is the anonymous principal.
     pub fn new(principal: Option<String>, endpoint: String, key: IdempotencyKey) -> Self {
+        Self::from_parts(principal.as_deref(), &[&endpoint], key)
+    }
+
+    /// A scope whose endpoint is the concatenation of `endpoint`'s pieces (`["POST", " ",
+    /// path]`): the layer builds it without assembling the endpoint on its own first.
+    pub(crate) fn from_parts(
+        principal: Option<&str>,
+        endpoint: &[&str],
+        key: IdempotencyKey,
+    ) -> Self {
         let principal = principal.filter(|name| !name.is_empty());
-        let storage_key = storage_key(principal.as_deref(), &endpoint, key.as_str());
+        let endpoint_len: usize = endpoint.iter().map(|piece| piece.len()).sum();
+        let mut storage_key = String::with_capacity(
+            principal.map_or(1, |p| p.len() + 4) + endpoint_len + key.as_str().len() + 8,
+        );
+        let principal = match principal {
+            Some(name) => Some(push_part(&mut storage_key, &[name])),
+            None => {
+                storage_key.push('-');
+                None
+            }
+        };
+        let endpoint = push_part(&mut storage_key, endpoint);
+        push_part(&mut storage_key, &[key.as_str()]);
         Self {
+            storage_key,
             principal,
             endpoint,
             key,
-            storage_key,
         }
     }
 
     /// Who sent the request, as the principal extractor named it; `None` when anonymous.
     pub fn principal(&self) -> Option<&str> {
-        self.principal.as_deref()
+        self.principal.clone().map(|range| &self.storage_key[range])
     }
 
     /// The endpoint, by default `"<METHOD> <path>"`.
     pub fn endpoint(&self) -> &str {
-        &self.endpoint
+        &self.storage_key[self.endpoint.clone()]
     }
 
     /// The client's key.
@@ -61,36 +86,16 @@ impl Scope {
     }
 }
 
-fn storage_key(principal: Option<&str>, endpoint: &str, key: &str) -> String {
-    let principal_len = principal.map_or(1, |p| p.len() + 4);
-    let mut out = String::with_capacity(principal_len + endpoint.len() + key.len() + 8);
-    match principal {
-        Some(p) => push_part(&mut out, p),
-        None => out.push('-'),
-    }
-    push_part(&mut out, endpoint);
-    push_part(&mut out, key);
-    out
-}
-
-/// `<byte length>:<part>`, without the formatting machinery: this runs on every request.
-fn push_part(out: &mut String, part: &str) {
-    let mut digits = [0u8; 20];
-    let mut start = digits.len();
-    let mut len = part.len();
-    loop {
-        start -= 1;
-        digits[start] = b'0' + (len % 10) as u8;
-        len /= 10;
-        if len == 0 {
-            break;
-        }
-    }
-    for &digit in &digits[start..] {
-        out.push(char::from(digit));
-    }
+/// Appends `<byte length>:<pieces>` and returns where the pieces landed.
+fn push_part(out: &mut String, pieces: &[&str]) -> Range<usize> {
+    let len: usize = pieces.iter().map(|piece| piece.len()).sum();
+    out.push_str(itoa::Buffer::new().format(len));
     out.push(':');
-    out.push_str(part);
+    let start = out.len();
+    for piece in pieces {
+        out.push_str(piece);
+    }
+    start..out.len()
 }
 
 #[cfg(test)]
@@ -111,6 +116,25 @@ mod tests {
         let c = scope(Some("a"), "b1:c", "d");
         let d = scope(Some("a1:b"), "c", "d");
         assert_ne!(c.storage_key(), d.storage_key());
+    }
+
+    #[test]
+    fn parts_read_back_from_the_storage_key() {
+        let named = scope(Some("alice"), "POST /v1/payments", "k1");
+        assert_eq!(named.principal(), Some("alice"));
+        assert_eq!(named.endpoint(), "POST /v1/payments");
+        assert_eq!(named.key().as_str(), "k1");
+        let key = IdempotencyKey::parse(&HeaderValue::from_static("k1")).unwrap();
+        let pieced = Scope::from_parts(Some("alice"), &["POST", " ", "/v1/payments"], key);
+        assert_eq!(pieced, named);
+        let anonymous = scope(None, "e", "k");
+        assert_eq!(anonymous.principal(), None);
+        assert_eq!(anonymous.endpoint(), "e");
+        let long = "p".repeat(1234);
+        assert_eq!(
+            scope(Some(&long), "e", "k").storage_key(),
+            format!("1234:{long}1:e1:k")
+        );
     }
 
     #[test]

@@ -110,8 +110,7 @@ where
         Ok(body) => body,
         Err(rejection) => return Ok(rejection.into_response()),
     };
-    let principal = config.principal.0.extract(&parts);
-    let scope = Scope::new(principal, endpoint(&config.endpoint, &parts), key);
+    let scope = scope(&config, &parts, key);
     let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
     execute::run(inner, store, config, scope, fingerprint, (parts, body)).await
 }
@@ -162,9 +161,12 @@ where
     })
 }
 
-fn endpoint(endpoint: &Endpoint, parts: &Parts) -> String {
-    let path = match endpoint {
-        Endpoint::Fixed(name) => return name.to_string(),
+/// The request's scope; the endpoint goes into the storage key in pieces, never assembled
+/// on its own.
+fn scope(config: &Config, parts: &Parts, key: IdempotencyKey) -> Scope {
+    let principal = config.principal.0.extract(parts);
+    let path = match &config.endpoint {
+        Endpoint::Fixed(name) => return Scope::from_parts(principal.as_deref(), &[name], key),
         #[cfg(feature = "axum")]
         Endpoint::MatchedPath => parts
             .extensions
@@ -172,12 +174,11 @@ fn endpoint(endpoint: &Endpoint, parts: &Parts) -> String {
             .map_or(parts.uri.path(), |matched| matched.as_str()),
         Endpoint::MethodAndPath => parts.uri.path(),
     };
-    let method = parts.method.as_str();
-    let mut name = String::with_capacity(method.len() + 1 + path.len());
-    name.push_str(method);
-    name.push(' ');
-    name.push_str(path);
-    name
+    Scope::from_parts(
+        principal.as_deref(),
+        &[parts.method.as_str(), " ", path],
+        key,
+    )
 }
 
 impl<S: fmt::Debug> fmt::Debug for Idempotency<S> {
