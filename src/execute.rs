@@ -37,14 +37,18 @@ const WRITE_RETRY_BACKOFF: Duration = Duration::from_millis(25);
 /// Everything runs in the request's own task; an execution whose request is dropped
 /// finishes in a task of its own, so a client disconnecting cannot cancel it or its
 /// recording.
-pub(crate) async fn run<S, ReqBody, ResBody>(
+///
+/// A `fn` returning an `async move` block, like its caller: an `async fn` would keep each
+/// argument twice in the future.
+#[allow(clippy::manual_async_fn)] // on purpose: see above
+pub(crate) fn run<S, ReqBody, ResBody>(
     mut inner: S,
     store: Arc<dyn Store>,
     config: Arc<Config>,
     scope: Scope,
     fingerprint: Fingerprint,
     (parts, body): (Parts, Bytes),
-) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
@@ -53,68 +57,72 @@ where
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
     ResBody::Error: fmt::Display + Send,
 {
-    let token = ClaimToken::unique();
-    let claim = {
-        let abandoned = AbandonedClaim::arm(&store, &scope, token);
-        let claim = store
-            .claim_with_token(&scope, fingerprint, token, config.lease)
-            .await;
-        // A claim that failed (a timeout, a dropped connection) may still have been applied:
-        // it is released like an abandoned one, so it cannot hold the key for a lease.
-        if claim.is_ok() {
-            abandoned.disarm();
-        }
-        claim
-    };
-    match claim {
-        Ok(Claim::Claimed(_)) => {}
-        Ok(
-            Claim::Completed {
-                fingerprint: theirs,
-                ..
+    async move {
+        let token = ClaimToken::unique();
+        let claim = {
+            let abandoned = AbandonedClaim::arm(&store, &scope, token);
+            let claim = store
+                .claim_with_token(&scope, fingerprint, token, config.lease)
+                .await;
+            // A claim that failed (a timeout, a dropped connection) may still have been applied:
+            // it is released like an abandoned one, so it cannot hold the key for a lease.
+            if claim.is_ok() {
+                abandoned.disarm();
             }
-            | Claim::InProgress {
-                fingerprint: theirs,
-                ..
-            },
-        ) if theirs != fingerprint => {
-            return Ok(Rejection::ReusedWithDifferentParams.into_response());
-        }
-        Ok(Claim::Completed { response, .. }) => return Ok(replay(response)),
-        Ok(Claim::InProgress {
-            lease_remaining, ..
-        }) => {
-            return Ok(Rejection::InProgress {
-                retry_after: lease_remaining,
+            claim
+        };
+        match claim {
+            Ok(Claim::Claimed(_)) => {}
+            Ok(
+                Claim::Completed {
+                    fingerprint: theirs,
+                    ..
+                }
+                | Claim::InProgress {
+                    fingerprint: theirs,
+                    ..
+                },
+            ) if theirs != fingerprint => {
+                return Ok(Rejection::ReusedWithDifferentParams.into_response());
             }
-            .into_response());
+            Ok(Claim::Completed { response, .. }) => return Ok(replay(response)),
+            Ok(Claim::InProgress {
+                lease_remaining, ..
+            }) => {
+                return Ok(Rejection::InProgress {
+                    retry_after: lease_remaining,
+                }
+                .into_response());
+            }
+            Err(error) if config.fail_open => {
+                tracing::error!(
+                    principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
+                    "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
+                );
+                let request = Request::from_parts(parts, ReqBody::from(body));
+                // Boxed: kept in place, this rare path's future would make every request's
+                // future larger.
+                let response = Box::pin(inner.call(request)).await?;
+                return Ok(response.map(ResponseBody::inner));
+            }
+            Err(error) => {
+                tracing::error!(
+                    principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
+                    "idempotency store unavailable: refusing the request (fail-closed)"
+                );
+                return Ok(Rejection::StoreUnavailable.into_response());
+            }
         }
-        Err(error) if config.fail_open => {
-            tracing::error!(
-                principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
-                "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
-            );
-            let request = Request::from_parts(parts, ReqBody::from(body));
-            let response = inner.call(request).await?;
-            return Ok(response.map(ResponseBody::inner));
-        }
-        Err(error) => {
-            tracing::error!(
-                principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
-                "idempotency store unavailable: refusing the request (fail-closed)"
-            );
-            return Ok(Rejection::StoreUnavailable.into_response());
-        }
+        let held = Held {
+            store,
+            config,
+            scope,
+            token,
+        };
+        // Rebuilt only here: a replay or a rejection never needs the request again.
+        let request = Request::from_parts(parts, ReqBody::from(body));
+        FinishOnDrop::new(held.execute(inner, fingerprint, request)).await
     }
-    let held = Held {
-        store,
-        config,
-        scope,
-        token,
-    };
-    // Rebuilt only here: a replay or a rejection never needs the request again.
-    let request = Request::from_parts(parts, ReqBody::from(body));
-    FinishOnDrop::new(held.execute(inner, fingerprint, request)).await
 }
 
 /// An execution polled in place by its request; if the request is dropped first (its client
@@ -464,7 +472,8 @@ fn replayable_headers(headers: &HeaderMap) -> HeaderMap {
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
         .collect();
-    let mut kept = HeaderMap::with_capacity(headers.len());
+    // One more than kept: a replay adds its marker without growing the map.
+    let mut kept = HeaderMap::with_capacity(headers.len() + 1);
     for (name, value) in headers {
         if !NOT_REPLAYED.contains(&name.as_str()) && !named_by_connection.contains(name) {
             kept.append(name.clone(), value.clone());

@@ -199,7 +199,8 @@ pub(crate) fn take_headers(bytes: &mut Bytes) -> Result<HeaderMap, DecodeError> 
     if count > bytes.len() / 8 {
         return Err(DecodeError("header count exceeds record"));
     }
-    let mut headers = HeaderMap::with_capacity(count);
+    // One more than stored: a replay adds its marker without growing the map.
+    let mut headers = HeaderMap::with_capacity(count + 1);
     for _ in 0..count {
         let name = HeaderName::from_bytes(&take_bytes(bytes)?)
             .map_err(|_| DecodeError("invalid header name"))?;

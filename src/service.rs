@@ -2,6 +2,7 @@
 
 use std::{
     fmt,
+    future::Future,
     sync::Arc,
     task::{Context, Poll},
 };
@@ -84,18 +85,28 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let (store, config) = (self.store.clone(), self.config.clone());
-        ResponseFuture::keyed(Box::pin(keyed(inner, store, config, key, request)))
+        ResponseFuture::keyed(Box::pin(keyed(
+            inner,
+            store,
+            config,
+            key,
+            request.into_parts(),
+        )))
     }
 }
 
 /// Buffers and fingerprints a keyed request, then claims and answers it.
-async fn keyed<S, ReqBody, ResBody>(
+///
+/// A `fn` returning an `async move` block rather than an `async fn`, which would keep each
+/// argument twice in the future (the argument, and the local it is moved into).
+#[allow(clippy::manual_async_fn)] // on purpose: see above
+fn keyed<S, ReqBody, ResBody>(
     inner: S,
     store: Arc<dyn Store>,
     config: Arc<Config>,
     key: IdempotencyKey,
-    request: Request<ReqBody>,
-) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+    (parts, body): (Parts, ReqBody),
+) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
@@ -105,14 +116,15 @@ where
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
     ResBody::Error: fmt::Display + Send,
 {
-    let (parts, body) = request.into_parts();
-    let body = match buffer_request(&parts, body, config.max_request_body).await {
-        Ok(body) => body,
-        Err(rejection) => return Ok(rejection.into_response()),
-    };
-    let scope = scope(&config, &parts, key);
-    let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
-    execute::run(inner, store, config, scope, fingerprint, (parts, body)).await
+    async move {
+        let body = match buffer_request(&parts, body, config.max_request_body).await {
+            Ok(body) => body,
+            Err(rejection) => return Ok(rejection.into_response()),
+        };
+        let scope = scope(&config, &parts, key);
+        let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
+        execute::run(inner, store, config, scope, fingerprint, (parts, body)).await
+    }
 }
 
 async fn buffer_request<B>(parts: &Parts, body: B, limit: usize) -> Result<Bytes, Rejection>
