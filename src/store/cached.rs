@@ -1,7 +1,7 @@
 //! A local cache of completed records in front of a shared store.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::VecDeque,
     sync::{Arc, MutexGuard},
     time::{Duration, Instant},
 };
@@ -9,7 +9,7 @@ use std::{
 use async_trait::async_trait;
 
 use super::{
-    shards::{Shards, SHARDS},
+    shards::{Hashed, Shards, Table, SHARDS},
     Claim, Fenced, Result, Store,
 };
 use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
@@ -55,7 +55,7 @@ pub struct CachedStore<S> {
 
 #[derive(Debug, Default)]
 struct Shard {
-    records: HashMap<Arc<str>, Cached>,
+    records: Table<Arc<str>, Cached>,
     /// Keys in the order they were cached, oldest first: a full shard evicts from the front.
     /// A key cached twice appears twice; evicting its older mention evicts it early, which
     /// only costs one read from the inner store.
@@ -84,35 +84,33 @@ impl<S: Store> CachedStore<S> {
         &self.inner
     }
 
-    fn shard(&self, key: &str) -> MutexGuard<'_, Shard> {
+    fn shard(&self, key: Hashed<'_>) -> MutexGuard<'_, Shard> {
         self.shards.lock(key)
     }
 
     /// Keeps a copy of a completed record for as long as the store behind keeps it.
     fn admit(
         &self,
-        key: &str,
+        key: Hashed<'_>,
         fingerprint: Fingerprint,
         response: &StoredResponse,
         expires_in: Duration,
     ) {
-        let key: Arc<str> = Arc::from(key);
-        let mut shard = self.shard(&key);
+        let mut shard = self.shard(key);
         while shard.order.len() >= self.max_per_shard {
             let Some(oldest) = shard.order.pop_front() else {
                 break;
             };
-            shard.records.remove(&oldest);
+            shard.records.remove(self.shards.hash(&oldest));
         }
-        shard.order.push_back(key.clone());
-        shard.records.insert(
-            key,
-            Cached {
-                fingerprint,
-                response: response.clone(),
-                expires_at: Instant::now() + expires_in,
-            },
-        );
+        let owned: Arc<str> = Arc::from(key.key());
+        shard.order.push_back(owned.clone());
+        let cached = Cached {
+            fingerprint,
+            response: response.clone(),
+            expires_at: Instant::now() + expires_in,
+        };
+        shard.records.insert(key, || owned, cached);
     }
 }
 
@@ -125,7 +123,7 @@ impl<S: Store> Store for CachedStore<S> {
         token: ClaimToken,
         lease: Duration,
     ) -> Result<Claim> {
-        let key = scope.storage_key();
+        let key = self.shards.hash(scope.storage_key());
         {
             let mut shard = self.shard(key);
             let now = Instant::now();

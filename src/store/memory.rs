@@ -1,7 +1,6 @@
 //! The in-process store.
 
 use std::{
-    collections::HashMap,
     sync::{Arc, MutexGuard},
     time::{Duration, Instant},
 };
@@ -9,7 +8,7 @@ use std::{
 use async_trait::async_trait;
 
 use super::{
-    shards::{Shards, SHARDS},
+    shards::{Hashed, Shards, Table, SHARDS},
     Claim, Error, Fenced, Result, Store,
 };
 use crate::{ClaimToken, Fingerprint, Record, Scope, StoredResponse};
@@ -44,7 +43,7 @@ struct Inner {
 }
 
 struct Shard {
-    records: HashMap<String, Entry>,
+    records: Table<String, Entry>,
     sweep_at_len: usize,
 }
 
@@ -86,7 +85,7 @@ impl MemoryStore {
 
     fn with_max_records(max: usize) -> Self {
         let shards = Shards::new(|| Shard {
-            records: HashMap::new(),
+            records: Table::default(),
             sweep_at_len: MIN_SWEEP_LEN,
         });
         Self {
@@ -111,13 +110,18 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &str) -> MutexGuard<'_, Shard> {
+    /// The scope's key, hashed once for its shard and its place in the shard.
+    fn key<'s>(&self, scope: &'s Scope) -> Hashed<'s> {
+        self.inner.shards.hash(scope.storage_key())
+    }
+
+    fn shard(&self, key: Hashed<'_>) -> MutexGuard<'_, Shard> {
         self.inner.shards.lock(key)
     }
 
     /// Runs `write` on the scope's in-progress record if `token` still holds it.
     fn fenced(&self, scope: &Scope, token: ClaimToken, write: impl FnOnce(&mut Entry)) -> Fenced {
-        let key = scope.storage_key();
+        let key = self.key(scope);
         let mut shard = self.shard(key);
         match shard.records.get_mut(key) {
             Some(entry) if entry.is_held_by(token, Instant::now()) => {
@@ -156,7 +160,7 @@ impl Shard {
         if self.records.len() < self.sweep_at_len {
             return;
         }
-        self.records.retain(|_, entry| entry.expires_at > now);
+        self.records.retain(|entry| entry.expires_at > now);
         self.sweep_at_len = (self.records.len() * 2).max(MIN_SWEEP_LEN);
     }
 }
@@ -171,7 +175,7 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<Claim> {
         let now = Instant::now();
-        let key = scope.storage_key();
+        let key = self.key(scope);
         let mut shard = self.shard(key);
         if let Some(entry) = shard.records.get(key).filter(|e| e.expires_at > now) {
             return Ok(match &entry.record {
@@ -191,19 +195,19 @@ impl Store for MemoryStore {
         }
         shard.sweep_if_due(now);
         if shard.records.len() >= self.inner.max_records_per_shard
-            && !shard.records.contains_key(key)
+            && shard.records.get(key).is_none()
         {
             return Err(Error::Backend("memory store is full".into()));
         }
         let record = Record::InProgress { fingerprint, token };
-        shard.records.insert(
-            key.to_owned(),
-            Entry {
-                record,
-                token,
-                expires_at: now + lease,
-            },
-        );
+        let entry = Entry {
+            record,
+            token,
+            expires_at: now + lease,
+        };
+        shard
+            .records
+            .insert(key, || scope.storage_key().to_owned(), entry);
         Ok(Claim::Claimed(token))
     }
 
@@ -215,7 +219,7 @@ impl Store for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced> {
-        let key = scope.storage_key();
+        let key = self.key(scope);
         let mut shard = self.shard(key);
         let now = Instant::now();
         match shard.records.get_mut(key) {
@@ -234,7 +238,7 @@ impl Store for MemoryStore {
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
-        let key = scope.storage_key();
+        let key = self.key(scope);
         let mut shard = self.shard(key);
         match shard.records.get(key) {
             Some(entry) if entry.is_held_by(token, Instant::now()) => {
