@@ -66,7 +66,9 @@ where
                 .await;
             // A claim that failed (a timeout, a dropped connection) may still have been applied:
             // it is released like an abandoned one, so it cannot hold the key for a lease.
-            if claim.is_ok() {
+            // One the store could not take needs no release, and during an outage sending
+            // one would only double the failed attempts.
+            if matches!(claim, Ok(_) | Err(store::Error::Unavailable(_))) {
                 abandoned.disarm();
             }
             claim

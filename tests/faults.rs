@@ -202,3 +202,34 @@ async fn fail_open_executes_without_the_store_and_logs_each_request() {
         .count();
     assert_eq!(unprotected, 2, "{}", logs.dump());
 }
+
+/// A claim Redis refused the connection for was never sent: the request gets its 503, and
+/// no release follows it (during an outage, one would only double the failed attempts).
+#[tokio::test]
+async fn a_claim_that_never_reached_redis_is_not_released() {
+    let (logs, _guard) = Logs::capture();
+    let mut server = RedisServer::start();
+    let store: Arc<dyn Store> = Arc::new(RedisStore::open(&server.url()).await.unwrap());
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    send(&app, post("/pay").key("warm")).await;
+    server.stop();
+    // The first claim may find the connection broken mid-write; the next ones are refused.
+    send(&app, post("/pay").key("first")).await;
+    for key in ["refused1", "refused2"] {
+        let answer = send(&app, post("/pay").key(key)).await;
+        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    // Releases run in tasks of their own: give them time to fail and say so.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let logs = logs.dump();
+    for key in ["refused1", "refused2"] {
+        let line = |text: &str| {
+            logs.lines()
+                .any(|line| line.contains(text) && line.contains(&format!("key={key}")))
+        };
+        assert!(line("idempotency store unavailable: redis"), "{logs}");
+        assert!(!line("could not release"), "{logs}");
+    }
+    assert_eq!(handler.executions(), 1);
+}

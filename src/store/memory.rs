@@ -197,7 +197,7 @@ impl Store for MemoryStore {
         if shard.records.len() >= self.inner.max_records_per_shard
             && shard.records.get(key).is_none()
         {
-            return Err(Error::Backend("memory store is full".into()));
+            return Err(Error::Unavailable("memory store is full".into()));
         }
         let record = Record::InProgress { fingerprint, token };
         let entry = Entry {

@@ -32,9 +32,14 @@ pub use memory::MemoryStore;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The backend could not be reached or refused the operation.
+    /// The backend failed the operation, or its answer was lost: the operation may or may
+    /// not have been applied.
     #[error("idempotency store backend: {0}")]
     Backend(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// The store could not take the operation (a refused connection, no connection from a
+    /// pool, a full memory store): it changed nothing.
+    #[error("idempotency store unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
     /// A stored record could not be decoded.
     #[error(transparent)]
     Decode(#[from] crate::record::DecodeError),

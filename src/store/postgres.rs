@@ -97,8 +97,9 @@ impl From<tokio_postgres::Error> for Error {
 }
 
 impl From<deadpool_postgres::PoolError> for Error {
+    /// The pool gave no connection: the statement was never sent.
     fn from(error: deadpool_postgres::PoolError) -> Self {
-        PostgresStoreError::from(error).into()
+        Error::Unavailable(Box::new(PostgresStoreError::from(error)))
     }
 }
 

@@ -165,6 +165,10 @@ impl From<RedisStoreError> for Error {
 
 impl From<redis::RedisError> for Error {
     fn from(error: redis::RedisError) -> Self {
+        // A refused connection is the one failure that proves the command never left.
+        if error.is_connection_refusal() {
+            return Error::Unavailable(Box::new(RedisStoreError::Redis(error)));
+        }
         RedisStoreError::Redis(error).into()
     }
 }
