@@ -105,9 +105,8 @@ impl AutoPipeline {
         let Some(queued) = send_to(&queue, queued) else {
             return;
         };
-        let replacing = queue.is_some();
         let (sender, commands) = mpsc::unbounded_channel();
-        tokio::spawn(write_batches(self.connection.clone(), commands, replacing));
+        tokio::spawn(write_batches(self.connection.clone(), commands));
         // The writer holds the receiver until every sender is gone: this send succeeds.
         let _ = sender.send(queued);
         *queue = Some(sender);
@@ -127,17 +126,15 @@ fn send_to(queue: &Option<mpsc::UnboundedSender<Queued>>, queued: Queued) -> Opt
 async fn write_batches(
     connection: ConnectionManager,
     mut commands: mpsc::UnboundedReceiver<Queued>,
-    replacing: bool,
 ) {
-    if replacing {
-        // The writer before this one went down with its runtime, and that runtime may have
-        // been driving the connection too: a harmless command finds the connection dead and
-        // starts a reconnection, rather than the first real batch failing on it.
-        let _ = connection
-            .clone()
-            .send_packed_command(&redis::cmd("PING"))
-            .await;
-    }
+    // The connection may be driven by a runtime that has shut down (the one the store was
+    // opened in, or the one that ran the writer before this one): a harmless command finds
+    // it dead and starts a reconnection, rather than the first real batch failing on it.
+    // One round trip per writer, which starts once per runtime.
+    let _ = connection
+        .clone()
+        .send_packed_command(&redis::cmd("PING"))
+        .await;
     let mut in_flight = FuturesUnordered::new();
     loop {
         let first = tokio::select! {
