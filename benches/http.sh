@@ -6,6 +6,7 @@
 #
 #   benches/http.sh                 # 3 passes, then the median table
 #   PASSES=5 PEERS="bare naive_redis" benches/http.sh
+#   PASSES=9 PEERS=bare OURS=ours_memory benches/http.sh   # one goal, more passes
 #
 # Needs ../shared/bench (the harness), wrk, redis-server, redis-cli, taskset, curl.
 # Writes build outputs and results under $BENCH_WORK (default: target/http-bench).
@@ -15,6 +16,13 @@ passes=${PASSES:-3}
 export PEERS=${PEERS:-bare naive_redis axum_idempotent hwhkit_idem}
 export CONNS=${CONNS:-128}
 source "$(dirname "$0")/http-env.sh"
+if [ -n "${OURS:-}" ]; then # keep only the configurations named in $OURS
+  kept=()
+  for entry in "${ours[@]}"; do
+    [[ " $OURS " == *" ${entry%%=*} "* ]] && kept+=("$entry")
+  done
+  ours=("${kept[@]}")
+fi
 
 export REDIS_PORT=$port
 export FLUSH_CMD="redis-cli -p $port flushall" REDIS_CLI="redis-cli -p $port"
