@@ -833,20 +833,7 @@ fn a_store_outlives_the_runtime_it_was_first_used_in() {
         Duration::from_secs(5),
     ));
     drop(first);
-
-    current_thread_runtime().block_on(async {
-        let claim = timeout(
-            OUTAGE_BOUND,
-            store.claim(
-                &scope(&new_key("second")),
-                fingerprint(1),
-                Duration::from_secs(5),
-            ),
-        )
-        .await
-        .expect("a claim in the second runtime must end");
-        assert!(matches!(claim, Ok(Claim::Claimed(_))), "{claim:?}");
-    });
+    claims_in_a_new_runtime(&store);
 }
 
 /// A store opened in a runtime that has ended (its connection's driver went with it)
@@ -856,18 +843,22 @@ fn a_store_opened_in_a_runtime_that_ended_works_in_the_next() {
     let opening = current_thread_runtime();
     let (store, _) = opening.block_on(isolated_store("opened_elsewhere"));
     drop(opening);
+    claims_in_a_new_runtime(&store);
+}
 
+/// Asserts that `store` claims a fresh key, in a runtime of its own, within the outage bound.
+fn claims_in_a_new_runtime(store: &RedisStore) {
     current_thread_runtime().block_on(async {
         let claim = timeout(
             OUTAGE_BOUND,
             store.claim(
-                &scope(&new_key("first")),
+                &scope(&new_key("next_runtime")),
                 fingerprint(1),
                 Duration::from_secs(5),
             ),
         )
         .await
-        .expect("a claim in the next runtime must end");
+        .expect("a claim in the new runtime must end");
         assert!(matches!(claim, Ok(Claim::Claimed(_))), "{claim:?}");
     });
 }
