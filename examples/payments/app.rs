@@ -16,7 +16,7 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tower_idempotency::{IdempotencyLayer, Store};
 
@@ -144,16 +144,27 @@ async fn create_refund(State(stats): State<Arc<Stats>>, Json(charge): Json<Charg
     created(&stats, "re", "/v1/refunds", charge)
 }
 
+/// A created payment or refund. A typed body, not a `json!` map: the map allocates an entry
+/// per field and sorts them, which costs more than the rest of the handler.
+#[derive(Serialize)]
+struct Created<'a> {
+    id: &'a str,
+    amount: i64,
+    currency: &'a str,
+    status: &'static str,
+    created: u64,
+}
+
 fn created(stats: &Stats, prefix: &str, collection: &str, charge: Charge) -> Response {
     let id = stats.next_id(prefix);
     let location = format!("{collection}/{id}");
-    let body = json!({
-        "id": id,
-        "amount": charge.amount,
-        "currency": charge.currency,
-        "status": "succeeded",
-        "created": now_ms() as u64,
-    });
+    let body = Created {
+        id: &id,
+        amount: charge.amount,
+        currency: &charge.currency,
+        status: "succeeded",
+        created: now_ms() as u64,
+    };
     (
         StatusCode::CREATED,
         [(header::LOCATION, location)],
