@@ -6,6 +6,8 @@
 //! `instructions <path> <requests>` sends one warm-up request, then `<requests>` requests on
 //! `<path>` (256-byte bodies); two runs with N and 2N requests give the cost of one request
 //! without the start-up. Redis paths use `REDIS_URL` (default 127.0.0.1:6379).
+//! `first_redis_16` sends its first executions 16 at a time, as concurrent requests under
+//! load do, so that their Redis commands leave in shared batches.
 
 mod support;
 
@@ -17,7 +19,9 @@ use tower_idempotency::{store::CachedStore, IdempotencyLayer, MemoryStore, Redis
 use support::{call, handler, redis_url, request};
 
 const PATHS: &str = "bare, pass_through, first_memory, replay_memory, first_redis, replay_redis, \
-    first_cached_redis, replay_cached_redis";
+    first_cached_redis, replay_cached_redis, first_redis_16";
+/// Requests at a time on `first_redis_16`.
+const AT_A_TIME: usize = 16;
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -38,7 +42,7 @@ fn main() {
         redis.prefix(format!("instructions:{:x}:", rand::random::<u64>()))
     };
     let store: Arc<dyn Store> = match path.as_str() {
-        "first_redis" | "replay_redis" => Arc::new(redis()),
+        "first_redis" | "replay_redis" | "first_redis_16" => Arc::new(redis()),
         "first_cached_redis" | "replay_cached_redis" => {
             Arc::new(CachedStore::new(redis(), 100_000))
         }
@@ -51,6 +55,18 @@ fn main() {
     let body = Bytes::from(vec![b'x'; 256]);
     runtime.block_on(async {
         call(&layered, request("POST", Some("replayed"), &body)).await;
+        if path == "first_redis_16" {
+            for group in (0..requests).collect::<Vec<_>>().chunks(AT_A_TIME) {
+                let calls = group.iter().map(|n| {
+                    let key = format!("{n:032x}");
+                    call(&layered, request("POST", Some(&key), &body))
+                });
+                for answer in futures_util::future::join_all(calls).await {
+                    assert_eq!(answer.len(), body.len());
+                }
+            }
+            return;
+        }
         for n in 0..requests {
             let key = format!("{n:032x}");
             let answer = match path.as_str() {
