@@ -24,6 +24,11 @@ impl<'k> Hashed<'k> {
     pub(crate) fn key(&self) -> &'k str {
         self.key
     }
+
+    /// Whether a slot holds this key (the table has already matched its hash).
+    fn holds<K: Borrow<str>, V>(self) -> impl Fn(&Slot<K, V>) -> bool + 'k {
+        move |slot| slot.key.borrow() == self.key
+    }
 }
 
 /// `SHARDS` values of `T`, each behind its own lock, chosen by a key's hash.
@@ -103,27 +108,19 @@ impl<K: Borrow<str>, V> Table<K, V> {
     }
 
     pub(crate) fn get(&self, key: Hashed<'_>) -> Option<&V> {
-        let slot = self
-            .slots
-            .find(key.hash, |slot| slot.key.borrow() == key.key)?;
+        let slot = self.slots.find(key.hash, key.holds())?;
         Some(&slot.value)
     }
 
     #[cfg(feature = "memory")]
     pub(crate) fn get_mut(&mut self, key: Hashed<'_>) -> Option<&mut V> {
-        let slot = self
-            .slots
-            .find_mut(key.hash, |slot| slot.key.borrow() == key.key)?;
+        let slot = self.slots.find_mut(key.hash, key.holds())?;
         Some(&mut slot.value)
     }
 
     /// Sets `key`'s value; `owned` makes the stored key, only when the key is new.
     pub(crate) fn insert(&mut self, key: Hashed<'_>, owned: impl FnOnce() -> K, value: V) {
-        let entry = self.slots.entry(
-            key.hash,
-            |slot| slot.key.borrow() == key.key,
-            |slot| slot.hash,
-        );
+        let entry = self.slots.entry(key.hash, key.holds(), |slot| slot.hash);
         match entry {
             hash_table::Entry::Occupied(mut occupied) => occupied.get_mut().value = value,
             hash_table::Entry::Vacant(vacant) => {
@@ -137,10 +134,7 @@ impl<K: Borrow<str>, V> Table<K, V> {
     }
 
     pub(crate) fn remove(&mut self, key: Hashed<'_>) -> Option<V> {
-        let found = self
-            .slots
-            .find_entry(key.hash, |slot| slot.key.borrow() == key.key)
-            .ok()?;
+        let found = self.slots.find_entry(key.hash, key.holds()).ok()?;
         Some(found.remove().0.value)
     }
 
