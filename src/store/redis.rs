@@ -1,6 +1,9 @@
 //! The Redis store: one key per record, one round trip per operation.
 
 mod auto_pipeline;
+mod cluster;
+mod primary;
+mod replicas;
 
 use std::{
     fmt,
@@ -14,11 +17,19 @@ use std::{
 use async_trait::async_trait;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use redis::{
-    aio::ConnectionManager, io::tcp::TcpSettings, Cmd, ErrorKind, FromRedisValue,
-    IntoConnectionInfo, Script, ServerErrorKind,
+    aio::{ConnectionManager, ConnectionManagerConfig},
+    cluster::ClusterClient,
+    io::tcp::TcpSettings,
+    sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType},
+    Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, Script, ServerErrorKind,
 };
 
-use self::auto_pipeline::{timed_out, AutoPipeline, Unawaited};
+use self::{
+    auto_pipeline::{AutoPipeline, Unawaited},
+    cluster::Cluster,
+    primary::Primary,
+    replicas::Replicas,
+};
 use super::{Claim, Error, Fenced, Result, Store};
 use crate::{
     record::{self, completed_len, put_completed},
@@ -63,8 +74,8 @@ const READ: &str = "local current = redis.call('GET', KEYS[1])";
 
 /// The claim for servers without `SET … NX GET` (before Redis 7.0): the same reply, the
 /// existing value or nil.
-static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
+static CLAIM: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(format!(
         "{READ} if current then return current end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false"
     ))
@@ -73,8 +84,8 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false"
 /// TTL in milliseconds. Completing twice with the same record applies once and answers 1
 /// both times (the retry's expiry differs, the record does not), so the layer may retry a
 /// completion whose reply was lost.
-static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
+static COMPLETE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(format!(
         "{READ} if current and #current == #ARGV[2] and string.byte(current, 1) == {WITH_EXPIRY}
     and string.sub(current, 1, -{after_record}) == string.sub(ARGV[2], 1, -{after_record})
     then return 1 end
@@ -90,14 +101,27 @@ return 1",
 static RELEASE: LazyLock<String> =
     LazyLock::new(|| format!("{READ} {} redis.call('DEL', KEYS[1]) return 1", *FENCE));
 /// `ARGV[2]` the lease in milliseconds, `ARGV[3]` the new deadline bytes.
-static EXTEND: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
+static EXTEND: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(format!(
         "{READ} {fence}
 redis.call('SET', KEYS[1], string.sub(current, 1, {IN_PROGRESS_LEN}) .. ARGV[3], 'PX', ARGV[2])
 return 1",
         fence = *FENCE,
     ))
 });
+
+/// A Lua script, with the hash `EVALSHA` names it by.
+struct Lua {
+    code: String,
+    hash: String,
+}
+
+impl Lua {
+    fn new(code: String) -> Self {
+        let hash = Script::new(&code).get_hash().to_owned();
+        Self { code, hash }
+    }
+}
 
 /// Defaults for the connection made by [`RedisStore::open`]: a request waits at most this
 /// long for Redis before the layer answers `503` (fail closed).
@@ -110,20 +134,26 @@ const RECONNECT_RETRIES: usize = 2;
 const RECONNECT_MIN_DELAY: Duration = Duration::from_millis(20);
 const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 
-/// A store in Redis: the production default.
+/// A store in Redis: the production default, on one server, a Sentinel-managed primary
+/// or a Redis Cluster.
 ///
 /// - Every operation is one round trip. The claim is one native `SET … NX PX … GET`
 ///   (a Lua script on servers before Redis 7.0), which returns the existing record in the
 ///   same trip; complete, release and extend are Lua scripts that compare the claim token
-///   before writing: complete and extend by hash (`EVALSHA`, loading the script on
-///   `NOSCRIPT`), release whole (`EVAL`), since it often goes out for a request that has
-///   stopped waiting.
+///   before writing: complete and extend by hash (`EVALSHA`, sent whole as `EVAL` by the
+///   request that finds the script missing on its node: `NOSCRIPT`), release whole
+///   (`EVAL`), since it often goes out for a request that has stopped waiting.
 /// - One Redis key per record (`<prefix><scope>`), expiring by Redis's own TTL, so a Redis
-///   Cluster can hold them.
-/// - One multiplexed [`ConnectionManager`] shared by all requests, reconnecting by itself
+///   Cluster routes each operation by its key ([`cluster`](Self::cluster)).
+/// - Every operation may be sent twice (a retry after a lost reply, a redirect): a claim
+///   that finds its own token has claimed, and the fenced writes apply once.
+/// - On one server ([`open`](Self::open)) or behind Sentinel ([`sentinel`](Self::sentinel)):
+///   one multiplexed [`ConnectionManager`] shared by all requests, reconnecting by itself
 ///   after an outage. The commands that concurrent requests issue in the same turn of the
 ///   runtime go to Redis as one pipeline: one write and one read for all of them, instead
 ///   of a system call and a trip through the kernel's network stack each.
+/// - Optionally, claims and completions wait for replicas to have them
+///   ([`replicas`](Self::replicas)), so that a failover does not lose them.
 ///
 /// # Example
 ///
@@ -138,11 +168,21 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    commands: Arc<AutoPipeline>,
+    commands: Arc<Commands>,
     prefix: String,
     timeout: Duration,
     /// Whether the server takes `SET … NX GET` (Redis 7.0 and later); learnt on first use.
     native_claim: Arc<AtomicBool>,
+    /// Replicas that must have each claim and completion before it counts.
+    acks: Option<Replicas>,
+}
+
+/// Where the commands go.
+enum Commands {
+    /// One server (fixed, or Sentinel's primary): batched into pipelines.
+    Node(AutoPipeline),
+    /// A Redis Cluster: each command to the master of its key's slot.
+    Cluster(Cluster),
 }
 
 /// Why a Redis operation failed.
@@ -183,9 +223,7 @@ impl RedisStore {
     pub async fn open(url: &str) -> Result<Self, RedisStoreError> {
         // Without TCP_NODELAY, a batch written while the previous one is unanswered waits
         // for that answer (Nagle's algorithm): batches in flight would go one at a time.
-        let info = url
-            .into_connection_info()?
-            .set_tcp_settings(TcpSettings::default().set_nodelay(true));
+        let info = url.into_connection_info()?.set_tcp_settings(nodelay());
         Self::from_client(redis::Client::open(info)?).await
     }
 
@@ -195,13 +233,7 @@ impl RedisStore {
     /// ([`ConnectionInfo::set_tcp_settings`](redis::ConnectionInfo::set_tcp_settings)) unless
     /// Nagle's algorithm is wanted.
     pub async fn from_client(client: redis::Client) -> Result<Self, RedisStoreError> {
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_connection_timeout(Some(CONNECTION_TIMEOUT))
-            .set_number_of_retries(RECONNECT_RETRIES)
-            .set_min_delay(RECONNECT_MIN_DELAY)
-            .set_max_delay(RECONNECT_MAX_DELAY);
-        let connection = ConnectionManager::new_with_config(client, config).await?;
+        let connection = ConnectionManager::new_with_config(client, manager_config()).await?;
         Ok(Self::new(connection))
     }
 
@@ -209,11 +241,91 @@ impl RedisStore {
     /// reconnection policy are the application's; [`timeout`](Self::timeout) still bounds
     /// each command's whole wait).
     pub fn new(connection: ConnectionManager) -> Self {
+        Self::with(Commands::Node(AutoPipeline::new(Primary::fixed(
+            connection,
+        ))))
+    }
+
+    /// Connects to a Redis Cluster through the seed nodes `urls` (`redis://host:port`, any
+    /// of its nodes; the rest are discovered). Each operation goes to the master holding
+    /// its key, following `MOVED` and `ASK` redirects while slots move and the new master
+    /// after a failover.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// use tower_idempotency::RedisStore;
+    /// let store = RedisStore::cluster(["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"]).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn cluster<I, U>(urls: I) -> Result<Self, RedisStoreError>
+    where
+        I: IntoIterator<Item = U>,
+        U: IntoConnectionInfo,
+    {
+        let client = ClusterClient::builder(urls)
+            .connection_timeout(CONNECTION_TIMEOUT)
+            .response_timeout(RESPONSE_TIMEOUT)
+            .tcp_settings(nodelay())
+            .build()?;
+        Self::from_cluster_client(client).await
+    }
+
+    /// Connects to a Redis Cluster with a client the application configured (TLS,
+    /// credentials, retries, timeouts).
+    pub async fn from_cluster_client(client: ClusterClient) -> Result<Self, RedisStoreError> {
+        Ok(Self::with(Commands::Cluster(
+            Cluster::connect(&client).await?,
+        )))
+    }
+
+    /// Connects to the primary that the sentinels at `sentinel_urls` name for `master`, and
+    /// follows it: after a failover, requests reach the new primary as soon as the
+    /// sentinels name it, without restarting the application. Connections to the primary
+    /// have the reconnection and timeout policy of [`open`](Self::open).
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// use tower_idempotency::RedisStore;
+    /// let sentinels = ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"];
+    /// let store = RedisStore::sentinel(sentinels, "payments").await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn sentinel<I, U>(sentinel_urls: I, master: &str) -> Result<Self, RedisStoreError>
+    where
+        I: IntoIterator<Item = U>,
+        U: IntoConnectionInfo,
+    {
+        let node = SentinelNodeConnectionInfo::default().set_tcp_settings(nodelay());
+        let client = SentinelClient::build(
+            sentinel_urls.into_iter().collect(),
+            master.to_owned(),
+            Some(node),
+            SentinelServerType::Master,
+        )?;
+        Self::from_sentinel_client(client).await
+    }
+
+    /// Follows the primary of a Sentinel client the application configured (TLS,
+    /// credentials, database), as [`sentinel`](Self::sentinel) does. The client must be for
+    /// the master ([`SentinelServerType::Master`]): the store writes.
+    pub async fn from_sentinel_client(client: SentinelClient) -> Result<Self, RedisStoreError> {
+        let primary = Primary::sentinel(client, manager_config()).await?;
+        Ok(Self::with(Commands::Node(AutoPipeline::new(primary))))
+    }
+
+    fn with(commands: Commands) -> Self {
         Self {
-            commands: Arc::new(AutoPipeline::new(connection)),
+            commands: Arc::new(commands),
             prefix: "idempotency:".to_owned(),
             timeout: RESPONSE_TIMEOUT,
             native_claim: Arc::new(AtomicBool::new(true)),
+            acks: None,
         }
     }
 
@@ -238,8 +350,8 @@ impl RedisStore {
     /// Past it the operation fails, and the layer answers `503` (fail closed). A claim
     /// still queued when its time runs out is not sent; a fenced write (complete, extend,
     /// release) still is, since dropping a completion would lose its record. An operation
-    /// that finds its script missing on the server (`NOSCRIPT`) loads it and tries again,
-    /// each step within this bound. Default: 2 seconds.
+    /// that finds its script missing on the server (`NOSCRIPT`) sends it whole, within a
+    /// bound of its own. Default: 2 seconds.
     ///
     /// # Example
     ///
@@ -258,6 +370,38 @@ impl RedisStore {
         self
     }
 
+    /// Makes each claim and each completion wait until `count` replicas have it (Redis
+    /// `WAIT`, on the connection that wrote it; in a cluster, to the key's master), for at
+    /// most `timeout`. Default: off.
+    ///
+    /// A claim that is not acknowledged in time fails: the layer releases it and answers
+    /// `503`, and the handler does not run. A completion that is not acknowledged is
+    /// written again until it is, within the claim's lease. So an operation runs only once
+    /// its claim is on `count` replicas, and its answer leaves only once its record is:
+    /// a failover to one of those replicas keeps both.
+    ///
+    /// `WAIT` is not consensus: a failover may promote a replica that had not acknowledged
+    /// (when more replicas exist than `count`), and a write acknowledged by replicas is
+    /// still lost if every one of them fails too. Each claim and completion waits for a
+    /// replica's round trip.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// use std::time::Duration;
+    /// use tower_idempotency::RedisStore;
+    /// let store = RedisStore::open("redis://127.0.0.1/")
+    ///     .await?
+    ///     .replicas(1, Duration::from_millis(500));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn replicas(mut self, count: u32, timeout: Duration) -> Self {
+        self.acks = (count > 0).then_some(Replicas { count, timeout });
+        self
+    }
+
     /// The Redis key holding a scope's record.
     pub fn redis_key(&self, scope: &Scope) -> String {
         let scope = scope.storage_key();
@@ -267,37 +411,47 @@ impl RedisStore {
         key
     }
 
-    /// Sends `command` with the next batch of commands and reads its reply as `T`.
+    /// Sends `command` on `key` (with the next batch, on one server) and reads its reply
+    /// as `T`; with `durable`, once the replicas of [`replicas`](Self::replicas) have it.
     async fn query<T: FromRedisValue>(
         &self,
         command: Cmd,
+        key: &str,
         unawaited: Unawaited,
+        durable: bool,
     ) -> redis::RedisResult<T> {
-        let reply = self
-            .commands
-            .query(command, self.timeout, unawaited)
-            .await?;
+        let acks = self.acks.filter(|_| durable);
+        let reply = match &*self.commands {
+            Commands::Node(pipeline) => {
+                pipeline
+                    .query(command, self.timeout, unawaited, acks)
+                    .await?
+            }
+            Commands::Cluster(cluster) => {
+                cluster
+                    .query(command, key, self.timeout, unawaited, acks)
+                    .await?
+            }
+        };
         Ok(redis::from_redis_value(reply)?)
     }
 
-    /// Runs `script` on `key` with `args` by its hash, loading it first where Redis does
-    /// not have it (a new or restarted server).
+    /// Runs `script` on `key` with `args` by its hash; where the server that answers does
+    /// not have it (a new or restarted server, a node that took over the key's slot), sends
+    /// it whole, which also loads it there.
     async fn eval<T: FromRedisValue>(
         &self,
-        script: &Script,
+        script: &Lua,
         key: &str,
         args: &[&[u8]],
         unawaited: Unawaited,
+        durable: bool,
     ) -> redis::RedisResult<T> {
-        let evalsha = || script_command("EVALSHA", script.get_hash(), key, args);
-        match self.query(evalsha(), unawaited).await {
+        let evalsha = script_command("EVALSHA", &script.hash, key, args);
+        match self.query(evalsha, key, unawaited, durable).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let mut connection = self.commands.connection().clone();
-                let load = script.load_async(&mut connection);
-                tokio::time::timeout(self.timeout, load)
-                    .await
-                    .map_err(|_| timed_out(self.timeout))??;
-                self.query(evalsha(), unawaited).await
+                let eval = script_command("EVAL", &script.code, key, args);
+                self.query(eval, key, unawaited, durable).await
             }
             reply => reply,
         }
@@ -311,24 +465,47 @@ impl RedisStore {
     ) -> Result<Option<Vec<u8>>> {
         let lease = millis(lease).to_string();
         Ok(self
-            .eval(&CLAIM, key, &[value, lease.as_bytes()], Unawaited::Skip)
+            .eval(
+                &CLAIM,
+                key,
+                &[value, lease.as_bytes()],
+                Unawaited::Skip,
+                true,
+            )
             .await?)
     }
 
     async fn eval_fenced(
         &self,
-        script: &Script,
+        script: &Lua,
         scope: &Scope,
         token: ClaimToken,
         extra: &[&[u8]],
+        durable: bool,
     ) -> Result<Fenced> {
         let mut args = Vec::with_capacity(extra.len() + 1);
         args.push(token.as_bytes().as_slice());
         args.extend_from_slice(extra);
         let key = self.redis_key(scope);
-        let applied = self.eval(script, &key, &args, Unawaited::Send).await?;
+        let applied = self
+            .eval(script, &key, &args, Unawaited::Send, durable)
+            .await?;
         Ok(fenced(applied))
     }
+}
+
+fn nodelay() -> TcpSettings {
+    TcpSettings::default().set_nodelay(true)
+}
+
+/// The reconnection policy of connections to one server.
+fn manager_config() -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_response_timeout(Some(RESPONSE_TIMEOUT))
+        .set_connection_timeout(Some(CONNECTION_TIMEOUT))
+        .set_number_of_retries(RECONNECT_RETRIES)
+        .set_min_delay(RECONNECT_MIN_DELAY)
+        .set_max_delay(RECONNECT_MAX_DELAY)
 }
 
 /// `<verb> <script> 1 <key> <args…>` (`EVAL` with the script's source, `EVALSHA` with its
@@ -400,7 +577,7 @@ impl Store for RedisStore {
                 .arg("PX")
                 .arg(millis(lease))
                 .arg("GET");
-            match self.query(set, Unawaited::Skip).await {
+            match self.query(set, &key, Unawaited::Skip, true).await {
                 Err(error) if error.to_string().contains("syntax error") => {
                     tracing::info!(
                         "this Redis has no SET … NX GET (before 7.0): claiming by script"
@@ -420,6 +597,11 @@ impl Store for RedisStore {
         let remaining =
             |deadline: u64| Duration::from_millis(deadline.saturating_sub(unix_millis()));
         match (Record::decode(record)?, deadline) {
+            // This very claim, sent twice (a retry after a lost reply, a cluster redirect):
+            // the second finds what the first wrote. The key is ours.
+            (Record::InProgress { token: holder, .. }, Some(_)) if holder == token => {
+                Ok(Claim::Claimed(token))
+            }
             (Record::InProgress { fingerprint, .. }, Some(deadline)) => Ok(Claim::InProgress {
                 fingerprint,
                 lease_remaining: remaining(deadline),
@@ -455,20 +637,22 @@ impl Store for RedisStore {
         put_completed(&mut value, &fingerprint, response);
         value.put_u64(deadline(ttl));
         let ttl = millis(ttl).to_string();
-        self.eval_fenced(&COMPLETE, scope, token, &[&value, ttl.as_bytes()])
+        self.eval_fenced(&COMPLETE, scope, token, &[&value, ttl.as_bytes()], true)
             .await
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = self.redis_key(scope);
         let eval = script_command("EVAL", &RELEASE, &key, &[token.as_bytes()]);
-        Ok(fenced(self.query(eval, Unawaited::Send).await?))
+        Ok(fenced(
+            self.query(eval, &key, Unawaited::Send, false).await?,
+        ))
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
         let deadline = deadline(lease).to_be_bytes();
         let lease = millis(lease).to_string();
-        self.eval_fenced(&EXTEND, scope, token, &[lease.as_bytes(), &deadline])
+        self.eval_fenced(&EXTEND, scope, token, &[lease.as_bytes(), &deadline], false)
             .await
     }
 }

@@ -10,16 +10,15 @@
 
 use std::{
     io,
-    sync::{PoisonError, RwLock},
+    sync::{Arc, PoisonError, RwLock},
     time::Duration,
 };
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use redis::{
-    aio::{ConnectionLike, ConnectionManager},
-    Arg, Cmd, ErrorKind, Pipeline, RedisError, RedisResult, Value,
-};
+use redis::{aio::ConnectionLike, Arg, Cmd, ErrorKind, Pipeline, RedisError, RedisResult, Value};
 use tokio::sync::{mpsc, oneshot};
+
+use super::{primary::Primary, replicas::Replicas};
 
 /// Most commands in one write: a bound on how long a batch's first command waits for the
 /// rest to be encoded and answered.
@@ -34,6 +33,8 @@ struct Queued {
     reply: oneshot::Sender<RedisResult<Value>>,
     /// Whether the command still leaves once nobody awaits its reply.
     unawaited: Unawaited,
+    /// The replicas that must have the command's write before it is answered.
+    acks: Option<Replicas>,
 }
 
 /// What becomes of a command whose caller stopped waiting (timed out, or was dropped)
@@ -49,7 +50,7 @@ pub(super) enum Unawaited {
 
 /// Sends commands through one connection, batching those issued together.
 pub(super) struct AutoPipeline {
-    connection: ConnectionManager,
+    primary: Arc<Primary>,
     /// The writer's queue. The writer starts on first use, in the runtime that uses it, and
     /// stops when the last handle to this queue is dropped or when that runtime shuts down;
     /// then the next command starts a new one.
@@ -57,33 +58,32 @@ pub(super) struct AutoPipeline {
 }
 
 impl AutoPipeline {
-    pub(super) fn new(connection: ConnectionManager) -> Self {
+    pub(super) fn new(primary: Primary) -> Self {
         Self {
-            connection,
+            primary: Arc::new(primary),
             queue: RwLock::new(None),
         }
-    }
-
-    /// The connection the batches go through.
-    pub(super) fn connection(&self) -> &ConnectionManager {
-        &self.connection
     }
 
     /// Sends `command` with the next batch and returns its reply; a server error comes
     /// back as `Err`, and so does no reply within `timeout`, counted from now: time spent
     /// queued behind a busy runtime counts, not only time on the wire. A command that times
-    /// out before its batch leaves is sent or not as `unawaited` says.
+    /// out before its batch leaves is sent or not as `unawaited` says. With `acks`, the
+    /// reply comes once that many replicas have the write (one `WAIT` closes each batch
+    /// that needs it), or as an error when they do not in time.
     pub(super) async fn query(
         &self,
         command: Cmd,
         timeout: Duration,
         unawaited: Unawaited,
+        acks: Option<Replicas>,
     ) -> RedisResult<Value> {
         let (reply, answer) = oneshot::channel();
         self.enqueue(Queued {
             command,
             reply,
             unawaited,
+            acks,
         });
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(reply)) => reply,
@@ -106,7 +106,7 @@ impl AutoPipeline {
             return;
         };
         let (sender, commands) = mpsc::unbounded_channel();
-        tokio::spawn(write_batches(self.connection.clone(), commands));
+        tokio::spawn(write_batches(Arc::clone(&self.primary), commands));
         // The writer holds the receiver until every sender is gone: this send succeeds.
         let _ = sender.send(queued);
         *queue = Some(sender);
@@ -123,16 +123,13 @@ fn send_to(queue: &Option<mpsc::UnboundedSender<Queued>>, queued: Queued) -> Opt
 
 /// Takes what is queued, batch after batch, until every sender is gone and every batch
 /// answered. Batches are handed to the connection in the order they were formed.
-async fn write_batches(
-    connection: ConnectionManager,
-    mut commands: mpsc::UnboundedReceiver<Queued>,
-) {
+async fn write_batches(primary: Arc<Primary>, mut commands: mpsc::UnboundedReceiver<Queued>) {
     // The connection may be driven by a runtime that has shut down (the one the store was
     // opened in, or the one that ran the writer before this one): a harmless command finds
     // it dead and starts a reconnection, rather than the first real batch failing on it.
     // One round trip per writer, which starts once per runtime.
-    let _ = connection
-        .clone()
+    let _ = primary
+        .connection()
         .send_packed_command(&redis::cmd("PING"))
         .await;
     let mut in_flight = FuturesUnordered::new();
@@ -152,7 +149,7 @@ async fn write_batches(
         tokio::task::yield_now().await;
         let batch = take_batch(first, &mut commands);
         if !batch.is_empty() {
-            in_flight.push(send(connection.clone(), batch));
+            in_flight.push(send(Arc::clone(&primary), batch));
         }
     }
     while in_flight.next().await.is_some() {}
@@ -179,35 +176,59 @@ fn take_batch(first: Queued, commands: &mut mpsc::UnboundedReceiver<Queued>) -> 
 }
 
 /// Sends one batch as a pipeline and answers each command with its own reply, or every
-/// command with the connection's error.
-async fn send(mut connection: ConnectionManager, batch: Vec<Queued>) {
-    let mut pipeline = Pipeline::with_capacity(batch.len());
+/// command with the connection's error. A batch holding commands that need replicas'
+/// acknowledgement ends with one `WAIT` for the most replicas any of them needs: `WAIT`
+/// covers every write the connection sent before it.
+async fn send(primary: Arc<Primary>, batch: Vec<Queued>) {
+    let mut pipeline = Pipeline::with_capacity(batch.len() + 1);
     let mut replies = Vec::with_capacity(batch.len());
-    for Queued { command, reply, .. } in batch {
-        pipeline.add_command(command);
-        replies.push(reply);
-    }
-    match connection
-        .req_packed_commands(&pipeline, 0, replies.len())
-        .await
+    let mut wait: Option<Replicas> = None;
+    for Queued {
+        command,
+        reply,
+        acks,
+        ..
+    } in batch
     {
-        Ok(values) if values.len() == replies.len() => {
-            for (value, reply) in values.into_iter().zip(replies) {
-                let _ = reply.send(value.extract_error());
+        pipeline.add_command(command);
+        wait = Replicas::most(wait, acks);
+        replies.push((reply, acks));
+    }
+    if let Some(wait) = wait {
+        pipeline.add_command(wait.command());
+    }
+    let expected = pipeline.len();
+    let answered = primary
+        .connection()
+        .req_packed_commands(&pipeline, 0, expected)
+        .await;
+    match answered {
+        Ok(mut values) if values.len() == expected => {
+            let acknowledged = wait.map(|_| values.pop().unwrap_or(Value::Nil));
+            for (value, (reply, acks)) in values.into_iter().zip(replies) {
+                let value = value.extract_error().and_then(|value| match acks {
+                    Some(acks) => acks.check(acknowledged.as_ref()).map(|()| value),
+                    None => Ok(value),
+                });
+                if let Err(error) = &value {
+                    primary.suspect(error);
+                }
+                let _ = reply.send(value);
             }
         }
         Ok(values) => {
             let error = RedisError::from((
                 ErrorKind::Client,
                 "a pipeline answered a different number of replies than it sent commands",
-                format!("{} commands, {} replies", replies.len(), values.len()),
+                format!("{expected} commands, {} replies", values.len()),
             ));
-            for reply in replies {
+            for (reply, _) in replies {
                 let _ = reply.send(Err(error.clone()));
             }
         }
         Err(error) => {
-            for reply in replies {
+            primary.suspect(&error);
+            for (reply, _) in replies {
                 let _ = reply.send(Err(error.clone()));
             }
         }
@@ -272,6 +293,7 @@ mod tests {
                     command,
                     reply,
                     unawaited,
+                    acks: None,
                 })
                 .unwrap();
         }
