@@ -6,7 +6,7 @@ use std::{
     future::Future,
     panic::AssertUnwindSafe,
     pin::Pin,
-    sync::Arc,
+    sync::{Arc, Mutex, PoisonError},
     task::{Context, Poll},
     time::Duration,
 };
@@ -18,18 +18,22 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use tower_service::Service;
 
+use tokio::time::Instant;
+
 use crate::{
     body::ResponseBody,
+    in_flight::Execution,
     layer::Config,
     response::{replay, Rejection},
     store::{self, Claim, Fenced, Store},
     ClaimToken, Fingerprint, Scope, StoredResponse,
 };
 
-/// Attempts at completing or releasing a claim before giving up, and the first pause
-/// between them (quadrupled each time: 25, 100 ms).
-const WRITE_ATTEMPTS: usize = 3;
-const WRITE_RETRY_BACKOFF: Duration = Duration::from_millis(25);
+/// The first pause before writing an outcome again after the store failed the write, and
+/// the longest: doubled each time in between. The writes go on until one is answered or the
+/// claim's lease runs out.
+const WRITE_RETRY_FIRST: Duration = Duration::from_millis(25);
+const WRITE_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// Claims `scope` and answers: a replay, a conflict, or the inner service's response
 /// (recorded unless released).
@@ -59,8 +63,10 @@ where
 {
     async move {
         let token = ClaimToken::unique();
+        // The lease the store gives the claim starts no earlier than the claim leaves.
+        let claimed_at = Instant::now();
         let claim = {
-            let abandoned = AbandonedClaim::arm(&store, &scope, token);
+            let abandoned = AbandonedClaim::arm(&store, &config, &scope, token);
             let claim = store
                 .claim_with_token(&scope, fingerprint, token, config.lease)
                 .await;
@@ -116,10 +122,12 @@ where
             }
         }
         let held = Held {
+            _in_flight: config.in_flight.enter(),
             store,
             config,
             scope,
             token,
+            renewed: Mutex::new(claimed_at),
         };
         // Rebuilt only here: a replay or a rejection never needs the request again.
         let request = Request::from_parts(parts, ReqBody::from(body));
@@ -189,13 +197,21 @@ where
 /// the claim was in flight, or the claim failed). Release is fenced by the token, so
 /// releasing a claim that did not happen is harmless.
 struct AbandonedClaim<'a> {
-    armed: Option<(&'a Arc<dyn Store>, &'a Scope, ClaimToken)>,
+    armed: Option<Armed<'a>>,
 }
 
+/// What releasing an abandoned claim takes.
+type Armed<'a> = (&'a Arc<dyn Store>, &'a Arc<Config>, &'a Scope, ClaimToken);
+
 impl<'a> AbandonedClaim<'a> {
-    fn arm(store: &'a Arc<dyn Store>, scope: &'a Scope, token: ClaimToken) -> Self {
+    fn arm(
+        store: &'a Arc<dyn Store>,
+        config: &'a Arc<Config>,
+        scope: &'a Scope,
+        token: ClaimToken,
+    ) -> Self {
         Self {
-            armed: Some((store, scope, token)),
+            armed: Some((store, config, scope, token)),
         }
     }
 
@@ -206,16 +222,25 @@ impl<'a> AbandonedClaim<'a> {
 
 impl Drop for AbandonedClaim<'_> {
     fn drop(&mut self) {
-        let Some((store, scope, token)) = self.armed.take() else {
+        let Some((store, config, scope, token)) = self.armed.take() else {
             return;
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (store, scope) = (store.clone(), scope.clone());
+        // Counted from now: the claim left before, so its lease ends no later than this.
+        let held = Held {
+            _in_flight: config.in_flight.enter(),
+            store: Arc::clone(store),
+            config: Arc::clone(config),
+            scope: scope.clone(),
+            token,
+            renewed: Mutex::new(Instant::now()),
+        };
         runtime.spawn(async move {
-            if let Err(error) = store.release(&scope, token).await {
-                tracing::warn!(key = %scope.key(), %error, "could not release an abandoned claim: it frees itself after one lease");
+            let release = || held.store.release(&held.scope, held.token);
+            if let Err(error) = held.write_until_settled(release).await {
+                tracing::warn!(key = %held.scope.key(), %error, "could not release an abandoned claim: it frees itself when its lease runs out");
             }
         });
     }
@@ -227,6 +252,10 @@ struct Held {
     config: Arc<Config>,
     scope: Scope,
     token: ClaimToken,
+    /// When the last claim or renewal that the store applied was sent: the lease runs
+    /// until at least this plus the lease.
+    renewed: Mutex<Instant>,
+    _in_flight: Execution,
 }
 
 impl Held {
@@ -281,8 +310,11 @@ impl Held {
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticks.tick().await;
+            let sent = Instant::now();
             match self.store.extend(&self.scope, self.token, lease).await {
-                Ok(Fenced::Applied) => {}
+                Ok(Fenced::Applied) => {
+                    *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) = sent;
+                }
                 Ok(Fenced::Lost) => {
                     self.warn(
                         "lease lost while the handler ran: another request may execute this key",
@@ -297,30 +329,54 @@ impl Held {
         }
     }
 
-    /// Runs a write after the handler, retrying store failures briefly: a blip (a failover,
-    /// a dropped connection) must not cost the record. Writes are idempotent, so a retry
-    /// after a timed-out attempt that did apply is harmless.
-    async fn write_after_execution<'a, F>(&'a self, write: impl Fn() -> F) -> store::Result<Fenced>
+    /// Runs a write after the handler until the store answers it: a blip (a restart, a
+    /// failover, a dropped connection) must not cost the record, or the next retry would
+    /// run the operation again. Retried with backoff while the store fails, for as long as
+    /// the claim's lease lasts (counted from the last renewal the store applied), and the
+    /// lease is renewed meanwhile whenever the store answers. Writes are fenced and
+    /// idempotent, so repeating one that did apply is harmless; past the lease, the key
+    /// may be another request's, and the fence would refuse the write anyway.
+    async fn write_until_settled<'a, F>(&'a self, write: impl Fn() -> F) -> store::Result<Fenced>
     where
         F: Future<Output = store::Result<Fenced>> + 'a,
     {
-        let mut backoff = WRITE_RETRY_BACKOFF;
-        for _ in 1..WRITE_ATTEMPTS {
-            match write().await {
-                Err(error) => {
-                    tracing::warn!(key = %self.scope.key(), %error, "idempotency store write failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff *= 4;
+        // The first attempt goes alone: a store that answers (nearly always) costs no timer.
+        let first = match write().await {
+            Err(error) => error,
+            done => return done,
+        };
+        let retries = async {
+            let mut error = first;
+            let mut backoff = WRITE_RETRY_FIRST;
+            loop {
+                let next = Instant::now() + backoff;
+                if next >= self.lease_ends() {
+                    return Err(error);
                 }
-                done => return done,
+                tracing::warn!(
+                    principal = self.scope.principal(), endpoint = self.scope.endpoint(),
+                    key = %self.scope.key(), %error, retry_in = ?backoff,
+                    "idempotency store write failed; retrying while the lease lasts"
+                );
+                tokio::time::sleep_until(next).await;
+                backoff = (backoff * 2).min(WRITE_RETRY_MAX);
+                error = match write().await {
+                    Err(error) => error,
+                    done => return done,
+                };
             }
-        }
-        write().await
+        };
+        self.renew_while(retries).await
+    }
+
+    /// When the claim's lease runs out, as far as this request knows.
+    fn lease_ends(&self) -> Instant {
+        *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) + self.config.lease
     }
 
     async fn release(&self, why: &str) {
         let release = || self.store.release(&self.scope, self.token);
-        match self.write_after_execution(release).await {
+        match self.write_until_settled(release).await {
             Ok(Fenced::Applied) => {
                 tracing::debug!(key = %self.scope.key(), why, "idempotency key released");
             }
@@ -328,7 +384,7 @@ impl Held {
             Err(error) => tracing::error!(
                 principal = self.scope.principal(), endpoint = self.scope.endpoint(),
                 key = %self.scope.key(), %error, why,
-                "could not release the idempotency key: retries get 409 until the lease runs out"
+                "could not release the idempotency key within its lease: it frees itself as the lease runs out"
             ),
         }
     }
@@ -375,7 +431,7 @@ impl Held {
             self.store
                 .complete(&self.scope, self.token, fingerprint, &stored, ttl)
         };
-        match self.write_after_execution(complete).await {
+        match self.write_until_settled(complete).await {
             Ok(Fenced::Applied) => {}
             Ok(Fenced::Lost) => {
                 self.warn("claim lost before the response was recorded: it will not be replayed")
@@ -383,7 +439,7 @@ impl Held {
             Err(error) => tracing::error!(
                 principal = self.scope.principal(), endpoint = self.scope.endpoint(),
                 key = %self.scope.key(), %error,
-                "could not record the response: retries get 409 until the lease runs out, then execute again"
+                "could not record the response within the lease: a retry after the lease runs out executes again"
             ),
         }
         Response::from_parts(parts, body)

@@ -6,6 +6,7 @@ use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use crate::{
+    in_flight::InFlight,
     principal::{BoxedPrincipal, DefaultPrincipal, ExtractPrincipal, Unscoped},
     service::Idempotency,
     store::Store,
@@ -51,6 +52,7 @@ pub(crate) struct Config {
     pub(crate) principal: BoxedPrincipal,
     pub(crate) endpoint: Endpoint,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) in_flight: InFlight,
 }
 
 /// How a request names its endpoint, the middle part of a key's scope.
@@ -77,6 +79,7 @@ impl Default for Config {
             principal: BoxedPrincipal(Arc::new(DefaultPrincipal)),
             endpoint: Endpoint::MethodAndPath,
             fingerprint_headers: Vec::new(),
+            in_flight: InFlight::default(),
         }
     }
 }
@@ -107,6 +110,13 @@ impl IdempotencyLayer {
             store,
             config: Arc::new(Config::default()),
         }
+    }
+
+    /// The executions of this layer that still hold a key (running, or recording their
+    /// outcome): wait for them to settle in a graceful shutdown, after the server stops.
+    /// Every clone of the layer, and every service it made, shares them.
+    pub fn in_flight(&self) -> InFlight {
+        self.config.in_flight.clone()
     }
 
     fn config(&mut self) -> &mut Config {

@@ -18,7 +18,7 @@ use axum::{
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use tower_idempotency::{IdempotencyLayer, Store};
+use tower_idempotency::{IdempotencyLayer, InFlight, Store};
 
 /// Handler executions (never replays), and what makes ids unique across restarts.
 #[derive(Debug)]
@@ -29,10 +29,12 @@ pub struct Stats {
     boot: u128,
     ids: AtomicU64,
     payments_only: AtomicBool,
+    /// Executions still holding a key: what a graceful shutdown waits for.
+    pub in_flight: InFlight,
 }
 
 impl Stats {
-    fn new() -> Self {
+    fn new(in_flight: InFlight) -> Self {
         Self {
             payments: AtomicU64::new(0),
             refunds: AtomicU64::new(0),
@@ -40,6 +42,7 @@ impl Stats {
             boot: now_ms(),
             ids: AtomicU64::new(0),
             payments_only: AtomicBool::new(false),
+            in_flight,
         }
     }
 
@@ -74,11 +77,11 @@ impl Default for Timing {
 /// The whole service: `/v1/payments` and `/v1/tokens` require a key, `/v1/refunds` takes
 /// one optionally, `/v1/stats` is outside the idempotency layer.
 pub fn router(store: Arc<dyn Store>, timing: Timing) -> (Router, Arc<Stats>) {
-    let stats = Arc::new(Stats::new());
     let layer = IdempotencyLayer::from_shared(store)
         .ttl(timing.ttl)
         .lease(timing.lease)
         .principal(bearer_user);
+    let stats = Arc::new(Stats::new(layer.in_flight()));
     let app = Router::new()
         .route(
             "/v1/payments",

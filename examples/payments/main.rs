@@ -6,8 +6,13 @@
 //! DATABASE_URL=postgres://localhost/app cargo run --example payments --features postgres
 //! ```
 //!
-//! Environment: `PAYMENTS_ADDR` (default `127.0.0.1:3000`), `REDIS_URL`, `DATABASE_URL`,
-//! `IDEMPOTENCY_TTL_SECS`, `IDEMPOTENCY_LEASE_SECS`; `IDEMPOTENCY_CACHE_RECORDS` (default
+//! Environment: `PAYMENTS_ADDR` (default `127.0.0.1:3000`); the store: `REDIS_URL` (one
+//! Redis), `REDIS_CLUSTER_URLS` (comma-separated seed nodes of a Redis Cluster),
+//! `REDIS_SENTINEL_URLS` (comma-separated sentinels) with `REDIS_SENTINEL_MASTER` (the
+//! monitored name), `DATABASE_URL` (PostgreSQL), else memory; `IDEMPOTENCY_REPLICAS=<n>`
+//! makes each claim and completion on Redis wait for `n` replicas (for at most
+//! `IDEMPOTENCY_REPLICAS_TIMEOUT_MS`, default 1000); `IDEMPOTENCY_TTL_SECS`,
+//! `IDEMPOTENCY_LEASE_SECS`; `IDEMPOTENCY_CACHE_RECORDS` (default
 //! 100000, 0 to turn off) sizes the local cache of completed records kept in front of Redis
 //! or PostgreSQL; `PAYMENTS_STATS=payments` makes
 //! `GET /v1/stats` report the payments counter alone, for load harnesses that read one
@@ -18,6 +23,10 @@ mod app;
 use std::{sync::Arc, time::Duration};
 
 use tower_idempotency::{store::CachedStore, MemoryStore, Store};
+
+/// How long a shutdown waits for executions to record their outcome: the default lease,
+/// past which their keys are free again anyway.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -48,6 +57,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown())
         .await?;
+    // Executions whose client went away still record their outcome before the process ends.
+    if !stats.in_flight.settled(SHUTDOWN_GRACE).await {
+        tracing::error!(
+            unrecorded = stats.in_flight.count(),
+            "shutting down with executions still unrecorded"
+        );
+    }
     Ok(())
 }
 
@@ -65,15 +81,15 @@ async fn store() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             records => Arc::new(CachedStore::new(store, records)),
         }
     };
-    if let Ok(url) = std::env::var("REDIS_URL") {
-        #[cfg(feature = "redis")]
-        return Ok(shared(Arc::new(
-            tower_idempotency::RedisStore::open(url.as_str()).await?,
-        )));
-        #[cfg(not(feature = "redis"))]
-        return Err(
-            format!("REDIS_URL={url} is set, but this build has no `redis` feature").into(),
-        );
+    #[cfg(feature = "redis")]
+    if let Some(redis) = redis_store().await? {
+        return Ok(shared(Arc::new(redis)));
+    }
+    #[cfg(not(feature = "redis"))]
+    for name in ["REDIS_URL", "REDIS_CLUSTER_URLS", "REDIS_SENTINEL_URLS"] {
+        if std::env::var(name).is_ok() {
+            return Err(format!("{name} is set, but this build has no `redis` feature").into());
+        }
     }
     if let Ok(url) = std::env::var("DATABASE_URL") {
         #[cfg(feature = "postgres")]
@@ -87,6 +103,47 @@ async fn store() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
         tracing::warn!(%url, "DATABASE_URL is set, but this build has no `postgres` feature: using memory");
     }
     Ok(Arc::new(MemoryStore::new()))
+}
+
+/// The Redis store the environment names, if any: a cluster, a Sentinel-managed primary or
+/// one server.
+#[cfg(feature = "redis")]
+async fn redis_store() -> Result<Option<tower_idempotency::RedisStore>, Box<dyn std::error::Error>>
+{
+    use tower_idempotency::RedisStore;
+    let list = |value: String| -> Vec<String> {
+        value
+            .split(',')
+            .map(str::trim)
+            .filter(|url| !url.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    let store = if let Ok(urls) = std::env::var("REDIS_CLUSTER_URLS") {
+        RedisStore::cluster(list(urls)).await?
+    } else if let Ok(urls) = std::env::var("REDIS_SENTINEL_URLS") {
+        let master = std::env::var("REDIS_SENTINEL_MASTER")
+            .map_err(|_| "REDIS_SENTINEL_URLS is set without REDIS_SENTINEL_MASTER")?;
+        RedisStore::sentinel(list(urls), &master).await?
+    } else if let Ok(url) = std::env::var("REDIS_URL") {
+        RedisStore::open(&url).await?
+    } else {
+        return Ok(None);
+    };
+    let replicas = match std::env::var("IDEMPOTENCY_REPLICAS") {
+        Ok(value) => value
+            .parse::<u32>()
+            .map_err(|_| format!("IDEMPOTENCY_REPLICAS={value} is not a count"))?,
+        Err(_) => 0,
+    };
+    let timeout = match std::env::var("IDEMPOTENCY_REPLICAS_TIMEOUT_MS") {
+        Ok(value) => value
+            .parse::<u64>()
+            .map(Duration::from_millis)
+            .map_err(|_| format!("IDEMPOTENCY_REPLICAS_TIMEOUT_MS={value} is not milliseconds"))?,
+        Err(_) => Duration::from_secs(1),
+    };
+    Ok(Some(store.replicas(replicas, timeout)))
 }
 
 fn env_secs(name: &str) -> Result<Option<Duration>, String> {
