@@ -6,6 +6,11 @@
 # when it is missing) and stops it afterwards. Tests that stop or restart Redis start
 # their own redis-server, so the binary is installed in every case.
 #
+# Redis Cluster and Sentinel: use REDIS_CLUSTER_URLS and REDIS_SENTINEL_URLS (with
+# REDIS_SENTINEL_MASTER) when set; otherwise start a throwaway 3-master cluster and a
+# primary, replica and three sentinels on free ports, stopped afterwards
+# (scripts/redis-topologies.sh). Tests that kill or reshard nodes start their own.
+#
 # PostgreSQL: uses DATABASE_URL when set; otherwise a server accepting the postgres user on
 # 127.0.0.1:5432; otherwise starts a throwaway cluster on a free port (installing Debian's
 # postgresql when it is missing) and removes it afterwards. Test tables live in the schema
@@ -112,6 +117,10 @@ start_throwaway_postgres() {
   log "PostgreSQL: started a throwaway cluster at $DATABASE_URL"
 }
 
+# shellcheck source=scripts/redis-topologies.sh
+. scripts/redis-topologies.sh
+
 ensure_redis
+ensure_redis_topologies
 ensure_postgres
 cargo test --all-features "$@"

@@ -5,11 +5,13 @@ pub mod app;
 pub mod logs;
 pub mod payments;
 pub mod redis_server;
+pub mod redis_topology;
 
 /// Runs each listed `async fn case(store: Arc<dyn Store>)` once per store, as
-/// `memory::case`, `redis::case` (shared Redis, own key prefix), `postgres::case`
-/// (shared PostgreSQL, own table) and `cached_redis::case` (a local cache of completed
-/// records in front of Redis).
+/// `memory::case`, `redis::case` (shared Redis, own key prefix), `redis_cluster::case` and
+/// `redis_sentinel::case` (the shared cluster and Sentinel set, own key prefix),
+/// `postgres::case` (shared PostgreSQL, own table) and `cached_redis::case` (a local cache
+/// of completed records in front of Redis).
 #[allow(unused_macros)] // Not every test file runs cases per store.
 macro_rules! for_each_store {
     ($($case:ident),* $(,)?) => {
@@ -29,6 +31,18 @@ macro_rules! for_each_store {
             $(#[tokio::test]
             async fn $case() {
                 super::$case(crate::support::shared_postgres_store().await).await
+            })*
+        }
+        mod redis_cluster {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(std::sync::Arc::new(crate::support::cluster_store(stringify!($case)).await)).await
+            })*
+        }
+        mod redis_sentinel {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(std::sync::Arc::new(crate::support::sentinel_store(stringify!($case)).await)).await
             })*
         }
         mod cached_redis {
@@ -67,6 +81,34 @@ pub async fn redis_store(test: &str) -> RedisStore {
 /// The same store behind the trait object the layer shares.
 pub async fn shared_redis_store(test: &str) -> Arc<dyn Store> {
     Arc::new(redis_store(test).await)
+}
+
+/// The comma-separated URLs in environment variable `name`, which the test script sets.
+fn urls_from(name: &str) -> Vec<String> {
+    let urls = std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set: run the suite with scripts/test.sh, which starts the topology")
+    });
+    urls.split(',').map(str::to_owned).collect()
+}
+
+/// A store on the shared Redis Cluster (`REDIS_CLUSTER_URLS`), isolated by a unique prefix.
+pub async fn cluster_store(test: &str) -> RedisStore {
+    let urls = urls_from("REDIS_CLUSTER_URLS");
+    RedisStore::cluster(urls.clone())
+        .await
+        .unwrap_or_else(|e| panic!("Redis Cluster at {urls:?}: {e}"))
+        .prefix(unique_prefix(test))
+}
+
+/// A store on the primary of the shared Sentinel set (`REDIS_SENTINEL_URLS`,
+/// `REDIS_SENTINEL_MASTER`), isolated by a unique prefix.
+pub async fn sentinel_store(test: &str) -> RedisStore {
+    let urls = urls_from("REDIS_SENTINEL_URLS");
+    let master = std::env::var("REDIS_SENTINEL_MASTER").expect("REDIS_SENTINEL_MASTER");
+    RedisStore::sentinel(urls.clone(), &master)
+        .await
+        .unwrap_or_else(|e| panic!("Sentinel at {urls:?}: {e}"))
+        .prefix(unique_prefix(test))
 }
 
 /// The shared PostgreSQL the suite runs against: `DATABASE_URL`, else the local default.
