@@ -347,9 +347,10 @@ impl RedisStore {
 
     /// The longest each command waits for Redis, counted from when the request issues it:
     /// time queued behind other requests' commands counts as well as time on the wire.
-    /// Past it the operation fails, and the layer answers `503` (fail closed). A claim
-    /// still queued when its time runs out is not sent; a fenced write (complete, extend,
-    /// release) still is, since dropping a completion would lose its record. An operation
+    /// Past it the operation fails, and the layer answers `503` (fail closed). On one
+    /// server, a claim still queued when its time runs out is not sent (in a cluster it
+    /// may be, and the layer releases it); a fenced write (complete, extend, release)
+    /// still is, since dropping a completion would lose its record. An operation
     /// that finds its script missing on the server (`NOSCRIPT`) sends it whole, within a
     /// bound of its own. Default: 2 seconds.
     ///

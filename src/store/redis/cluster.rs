@@ -105,8 +105,10 @@ mod tests {
         // Values from `CLUSTER KEYSLOT`.
         assert_eq!(slot(b"foo"), 12182);
         assert_eq!(slot(b"bar"), 5061);
-        assert_eq!(slot(b"{user1000}.following"), slot(b"user1000"));
+        assert_eq!(slot(b"test:abc:0123:xyz"), 12393);
+        assert_eq!(slot(b"user1000"), 3443);
+        assert_eq!(slot(b"{user1000}.following"), 3443);
         // An empty tag hashes the whole key.
-        assert_ne!(slot(b"{}foo"), slot(b"foo"));
+        assert_eq!(slot(b"{}foo"), 9500);
     }
 }
