@@ -98,7 +98,8 @@ async fn a_panic_leaves_concurrent_requests_on_other_keys_alone(store: Arc<dyn S
     assert_eq!(handler.executions(), 10);
 }
 
-/// Redis dies while the handler runs: the client still gets the handler's response, and
+/// Redis dies while the handler runs and stays down past the lease: the record is tried
+/// for as long as the lease lasts, then the client still gets the handler's response, and
 /// the failed recording is logged. The restarted Redis is empty (it keeps nothing on disk
 /// here), so the record is gone and a retry executes again — the documented outcome.
 #[tokio::test]
@@ -107,18 +108,23 @@ async fn store_failure_after_the_handler_ran_still_answers() {
     let mut server = RedisServer::start();
     let store: Arc<dyn Store> = Arc::new(RedisStore::open(&server.url()).await.unwrap());
     let handler = Handler::default();
-    let app = router(&handler, layer(&store));
+    let lease = Duration::from_secs(2);
+    let app = router(&handler, layer(&store).lease(lease));
     let first = tokio::spawn({
         let app = app.clone();
         async move { send(&app, post_waiting("k").body("amount=1")).await }
     });
     until_executing(&handler, 1).await;
     server.stop();
+    let handler_done = tokio::time::Instant::now();
     handler.gate.add_permits(1);
-    let answer = tokio::time::timeout(Duration::from_secs(30), first)
+    let answer = tokio::time::timeout(Duration::from_secs(10), first)
         .await
         .unwrap()
         .unwrap();
+    // The record was tried for as long as the lease lasted, not given up at once.
+    let tried_for = handler_done.elapsed();
+    assert!(tried_for >= lease / 2, "gave up after {tried_for:?}");
     assert_eq!(answer.status, StatusCode::CREATED);
     assert!(answer.body.starts_with(br#"{"execution":1"#));
     assert!(

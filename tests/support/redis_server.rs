@@ -2,7 +2,9 @@
 //! commands on Redis.
 
 use std::{
+    fs,
     net::TcpListener,
+    path::PathBuf,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
@@ -11,16 +13,40 @@ use std::{
 pub struct RedisServer {
     port: u16,
     child: Option<Child>,
+    /// Where a persistent server keeps its append-only file; `None` keeps nothing on disk.
+    /// Removed when dropped.
+    dir: Option<PathBuf>,
 }
 
 impl RedisServer {
-    /// Starts one on a free port and waits until it answers.
+    /// Starts one on a free port, keeping nothing on disk, and waits until it answers.
     pub fn start() -> Self {
+        Self::start_in(None)
+    }
+
+    /// Starts one on a free port that appends every write to a file in a directory of its
+    /// own and syncs it to disk before answering (`--appendonly yes --appendfsync always`),
+    /// and waits until it answers: whatever it acknowledged survives [`stop`](Self::stop)
+    /// (SIGKILL) and [`restart`](Self::restart).
+    pub fn start_persistent() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "tower-idempotency-redis-{:016x}",
+            rand::random::<u64>()
+        ));
+        fs::create_dir_all(&dir).expect("create the Redis data directory");
+        Self::start_in(Some(dir))
+    }
+
+    fn start_in(dir: Option<PathBuf>) -> Self {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("free port")
             .port();
-        let mut server = Self { port, child: None };
+        let mut server = Self {
+            port,
+            child: None,
+            dir,
+        };
         server.restart();
         server
     }
@@ -44,12 +70,21 @@ impl RedisServer {
         self.wait_until(false);
     }
 
-    /// Starts it again on the same port, empty.
+    /// Starts it again on the same port: empty, or for a persistent server with what its
+    /// append-only file holds (same directory, same settings).
     pub fn restart(&mut self) {
         self.stop();
-        let child = Command::new("redis-server")
+        let mut command = Command::new("redis-server");
+        command
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .args(["--save", "", "--protected-mode", "no"]);
+        match &self.dir {
+            Some(dir) => command
+                .args(["--appendonly", "yes", "--appendfsync", "always", "--dir"])
+                .arg(dir),
+            None => command.args(["--appendonly", "no"]),
+        };
+        let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -92,6 +127,9 @@ impl Drop for RedisServer {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+        if let Some(dir) = &self.dir {
+            let _ = fs::remove_dir_all(dir);
         }
     }
 }
