@@ -49,22 +49,24 @@ const IN_PROGRESS_LEN: usize = 50;
 const HELD_LEN: usize = IN_PROGRESS_LEN + DEADLINE_LEN;
 const WITH_EXPIRY: u8 = 2;
 
-/// Returns 0 unless `current` (the key's value) is the in-progress record holding token
+/// Sets `held` when `current` (the key's value) is the in-progress record holding token
 /// `ARGV[1]`: version byte, `P`, 32 fingerprint bytes, 16 token bytes, 8 deadline bytes.
 /// Compared in place (`string.byte`, an anchored plain `string.find`): taking substrings
 /// would make Redis allocate and intern a Lua string for each.
-static FENCE: LazyLock<String> = LazyLock::new(|| {
+static HELD: LazyLock<String> = LazyLock::new(|| {
     format!(
         "local held = current and #current == {HELD_LEN}
     and string.byte(current, 1) == {VERSION} and string.byte(current, 2) == {IN_PROGRESS}
-    and string.find(current, ARGV[1], {TOKEN_AT}, true) == {TOKEN_AT}
-if not held then return 0 end",
+    and string.find(current, ARGV[1], {TOKEN_AT}, true) == {TOKEN_AT}",
         VERSION = record::VERSION_1,
         IN_PROGRESS = record::IN_PROGRESS,
         // Lua counts from 1.
         TOKEN_AT = TOKEN_OFFSET + 1,
     )
 });
+/// Returns 0 unless the key is held by token `ARGV[1]`.
+static FENCE: LazyLock<String> =
+    LazyLock::new(|| format!("{} if not held then return 0 end", *HELD));
 /// Where the claim token starts in an in-progress value: after the version, the kind and
 /// the fingerprint.
 const TOKEN_OFFSET: usize = 2 + 32;
@@ -72,23 +74,31 @@ const TOKEN_OFFSET: usize = 2 + 32;
 const _: () = assert!(TOKEN_OFFSET + 16 == IN_PROGRESS_LEN);
 const READ: &str = "local current = redis.call('GET', KEYS[1])";
 
-/// The claim for servers without `SET … NX GET` (before Redis 7.0): the same reply, the
-/// existing value or nil.
+/// The claim by script, with the same reply as `SET … NX GET` (the existing value or nil):
+/// for servers before Redis 7.0, and for claims that replicas must acknowledge in a
+/// cluster. `ARGV[1]` the token, `ARGV[2]` the value, `ARGV[3]` the lease in milliseconds.
+/// A claim sent again that finds its own token writes the value again: a `WAIT` after it
+/// then waits for that write, even on a connection that did not send the first one.
 static CLAIM: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(format!(
-        "{READ} if current then return current end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return false"
+        "{READ} if current then
+    {held} if held then redis.call('SET', KEYS[1], current, 'KEEPTTL') end
+    return current
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return false",
+        held = *HELD,
     ))
 });
 /// `ARGV[2]` the completed value (marker, record, expiry: stored as sent), `ARGV[3]` the
 /// TTL in milliseconds. Completing twice with the same record applies once and answers 1
 /// both times (the retry's expiry differs, the record does not), so the layer may retry a
-/// completion whose reply was lost.
+/// completion whose reply was lost. The second writes the stored value again, so that a
+/// `WAIT` after it, on whatever connection, waits for the record.
 static COMPLETE: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(format!(
         "{READ} if current and #current == #ARGV[2] and string.byte(current, 1) == {WITH_EXPIRY}
     and string.sub(current, 1, -{after_record}) == string.sub(ARGV[2], 1, -{after_record})
-    then return 1 end
+    then redis.call('SET', KEYS[1], current, 'KEEPTTL') return 1 end
 {fence} redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1",
         fence = *FENCE,
@@ -412,12 +422,11 @@ impl RedisStore {
         key
     }
 
-    /// Sends `command` on `key` (with the next batch, on one server) and reads its reply
-    /// as `T`; with `durable`, once the replicas of [`replicas`](Self::replicas) have it.
+    /// Sends `command` (with the next batch, on one server) and reads its reply as `T`; with
+    /// `durable`, once the replicas of [`replicas`](Self::replicas) have it.
     async fn query<T: FromRedisValue>(
         &self,
         command: Cmd,
-        key: &str,
         unawaited: Unawaited,
         durable: bool,
     ) -> redis::RedisResult<T> {
@@ -430,7 +439,7 @@ impl RedisStore {
             }
             Commands::Cluster(cluster) => {
                 cluster
-                    .query(command, key, self.timeout, unawaited, acks)
+                    .query(command, self.timeout, unawaited, acks)
                     .await?
             }
         };
@@ -449,10 +458,10 @@ impl RedisStore {
         durable: bool,
     ) -> redis::RedisResult<T> {
         let evalsha = script_command("EVALSHA", &script.hash, key, args);
-        match self.query(evalsha, key, unawaited, durable).await {
+        match self.query(evalsha, unawaited, durable).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let eval = script_command("EVAL", &script.code, key, args);
-                self.query(eval, key, unawaited, durable).await
+                self.query(eval, unawaited, durable).await
             }
             reply => reply,
         }
@@ -461,19 +470,13 @@ impl RedisStore {
     async fn claim_by_script(
         &self,
         key: &str,
+        token: ClaimToken,
         value: &[u8],
         lease: Duration,
     ) -> Result<Option<Vec<u8>>> {
         let lease = millis(lease).to_string();
-        Ok(self
-            .eval(
-                &CLAIM,
-                key,
-                &[value, lease.as_bytes()],
-                Unawaited::Skip,
-                true,
-            )
-            .await?)
+        let args: [&[u8]; 3] = [token.as_bytes(), value, lease.as_bytes()];
+        Ok(self.eval(&CLAIM, key, &args, Unawaited::Skip, true).await?)
     }
 
     async fn eval_fenced(
@@ -567,7 +570,11 @@ impl Store for RedisStore {
     ) -> Result<Claim> {
         let value = held_value(fingerprint, token, lease);
         let key = self.redis_key(scope);
-        let reply: Option<Vec<u8>> = if self.native_claim.load(Ordering::Relaxed) {
+        // A cluster may send a command again on another connection (after an I/O error or a
+        // failover), and a `WAIT` there counts only that connection's writes: a claim that
+        // replicas must acknowledge goes by the script, which writes again when resent.
+        let resent_acks = self.acks.is_some() && matches!(*self.commands, Commands::Cluster(_));
+        let reply: Option<Vec<u8>> = if self.native_claim.load(Ordering::Relaxed) && !resent_acks {
             // One native command: claims the key, or returns what holds it.
             // Sized up front: growing the command's buffers costs more than filling them.
             let mut set = Cmd::with_capacity(7, "SETNXPXGET".len() + key.len() + value.len() + 20);
@@ -578,18 +585,18 @@ impl Store for RedisStore {
                 .arg("PX")
                 .arg(millis(lease))
                 .arg("GET");
-            match self.query(set, &key, Unawaited::Skip, true).await {
+            match self.query(set, Unawaited::Skip, true).await {
                 Err(error) if error.to_string().contains("syntax error") => {
                     tracing::info!(
                         "this Redis has no SET … NX GET (before 7.0): claiming by script"
                     );
                     self.native_claim.store(false, Ordering::Relaxed);
-                    self.claim_by_script(&key, &value, lease).await?
+                    self.claim_by_script(&key, token, &value, lease).await?
                 }
                 reply => reply?,
             }
         } else {
-            self.claim_by_script(&key, &value, lease).await?
+            self.claim_by_script(&key, token, &value, lease).await?
         };
         let Some(current) = reply else {
             return Ok(Claim::Claimed(token));
@@ -645,9 +652,7 @@ impl Store for RedisStore {
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = self.redis_key(scope);
         let eval = script_command("EVAL", &RELEASE, &key, &[token.as_bytes()]);
-        Ok(fenced(
-            self.query(eval, &key, Unawaited::Send, false).await?,
-        ))
+        Ok(fenced(self.query(eval, Unawaited::Send, false).await?))
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {

@@ -9,11 +9,8 @@
 use std::time::Duration;
 
 use redis::{
-    aio::ConnectionLike,
-    cluster::ClusterClient,
-    cluster_async::ClusterConnection,
-    cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr},
-    Cmd, RedisResult, Value,
+    aio::ConnectionLike, cluster::ClusterClient, cluster_async::ClusterConnection, Cmd, ErrorKind,
+    Pipeline, RedisError, RedisResult, ServerErrorKind, Value,
 };
 
 use super::{
@@ -21,8 +18,8 @@ use super::{
     replicas::Replicas,
 };
 
-/// Slots of a Redis Cluster.
-const SLOTS: u16 = 16384;
+/// How often an acknowledged command follows its slot elsewhere before it fails.
+const MAX_REDIRECTS: usize = 3;
 
 /// Commands to a Redis Cluster.
 pub(super) struct Cluster {
@@ -36,34 +33,26 @@ impl Cluster {
         })
     }
 
-    /// Sends `command`, whose key is `key`, to the master holding the key, and returns its
-    /// reply within `timeout`. With `acks`, a `WAIT` follows on the same node's connection.
+    /// Sends `command` to the master holding its key, and returns its reply within
+    /// `timeout`. With `acks`, a `WAIT` follows it on the same connection.
     /// A command whose caller stops waiting is sent all the same (the cluster connection
     /// queues it at once); a fenced write also runs to the end of its `WAIT` and retries.
     pub(super) async fn query(
         &self,
         command: Cmd,
-        key: &str,
         timeout: Duration,
         unawaited: Unawaited,
         acks: Option<Replicas>,
     ) -> RedisResult<Value> {
         let mut connection = self.connection.clone();
-        let node = slot(key.as_bytes());
         let request = async move {
-            let value = connection
-                .req_packed_command(&command)
-                .await?
-                .extract_error()?;
-            if let Some(acks) = acks {
-                // The cluster connection keeps one connection per node: a `WAIT` routed to
-                // the key's master follows the write on the connection that sent it.
-                let master = Route::new(node, SlotAddr::Master);
-                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(master));
-                let acknowledged = connection.route_command(acks.command(), route).await?;
-                acks.check(Some(&acknowledged))?;
+            match acks {
+                None => connection
+                    .req_packed_command(&command)
+                    .await?
+                    .extract_error(),
+                Some(acks) => acknowledged(&mut connection, &command, acks).await,
             }
-            Ok(value)
         };
         let answered = match unawaited {
             Unawaited::Skip => tokio::time::timeout(timeout, request).await,
@@ -80,35 +69,54 @@ impl Cluster {
     }
 }
 
-/// The cluster slot of `key` (CRC16 of the key, or of its `{hash tag}`, modulo 16384).
-pub(super) fn slot(key: &[u8]) -> u16 {
-    let tagged = key
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let rest = &key[open + 1..];
-            rest.iter()
-                .position(|&b| b == b'}')
-                .filter(|&close| close > 0)
-                .map(|close| &rest[..close])
-        })
-        .unwrap_or(key);
-    crc16::State::<crc16::XMODEM>::calculate(tagged) % SLOTS
+/// Sends `command` and a `WAIT` for `acks` as one pipeline, so that both go to the key's
+/// master on one connection, and are sent again together if the cluster connection resends
+/// them (on a new connection, or to a promoted replica): a `WAIT` counts the writes of the
+/// connection it arrives on, and every command sent this way writes, even when sent again.
+/// A pipeline's redirect comes back as its command's reply: the command then goes alone,
+/// which follows the redirect and refreshes the slot map, and the pair is sent again.
+async fn acknowledged(
+    connection: &mut ClusterConnection,
+    command: &Cmd,
+    acks: Replicas,
+) -> RedisResult<Value> {
+    let mut pipeline = Pipeline::with_capacity(2);
+    pipeline
+        .add_command(command.clone())
+        .add_command(acks.command());
+    let mut redirects = 0;
+    loop {
+        let mut replies = connection.req_packed_commands(&pipeline, 0, 2).await?;
+        let wait = replies.pop();
+        let reply = replies.pop().unwrap_or(Value::Nil).extract_error();
+        match reply {
+            Err(error) if redirected(&error) && redirects < MAX_REDIRECTS => {
+                redirects += 1;
+                connection
+                    .req_packed_command(command)
+                    .await?
+                    .extract_error()?;
+            }
+            Err(error) => return Err(error),
+            Ok(value) => {
+                acks.check(wait.as_ref())?;
+                return Ok(value);
+            }
+        }
+    }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::slot;
-
-    #[test]
-    fn slots_match_redis() {
-        // Values from `CLUSTER KEYSLOT`.
-        assert_eq!(slot(b"foo"), 12182);
-        assert_eq!(slot(b"bar"), 5061);
-        assert_eq!(slot(b"test:abc:0123:xyz"), 12393);
-        assert_eq!(slot(b"user1000"), 3443);
-        assert_eq!(slot(b"{user1000}.following"), 3443);
-        // An empty tag hashes the whole key.
-        assert_eq!(slot(b"{}foo"), 9500);
-    }
+/// Whether a reply says the key's slot is served elsewhere, or not served yet.
+fn redirected(error: &RedisError) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        )
+    )
 }
