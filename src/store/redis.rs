@@ -161,7 +161,8 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(200);
 ///   one multiplexed [`ConnectionManager`] shared by all requests, reconnecting by itself
 ///   after an outage. The commands that concurrent requests issue in the same turn of the
 ///   runtime go to Redis as one pipeline: one write and one read for all of them, instead
-///   of a system call and a trip through the kernel's network stack each.
+///   of a system call and a trip through the kernel's network stack each. In a cluster,
+///   one pipeline per master.
 /// - Optionally, claims and completions wait for replicas to have them
 ///   ([`replicas`](Self::replicas)), so that a failover does not lose them.
 ///
@@ -187,12 +188,12 @@ pub struct RedisStore {
     acks: Option<Replicas>,
 }
 
-/// Where the commands go.
+/// Where the commands go, batched into pipelines.
 enum Commands {
-    /// One server (fixed, or Sentinel's primary): batched into pipelines.
-    Node(AutoPipeline),
-    /// A Redis Cluster: each command to the master of its key's slot.
-    Cluster(Cluster),
+    /// One server (fixed, or Sentinel's primary).
+    Node(AutoPipeline<Primary>),
+    /// A Redis Cluster: one pipeline per master.
+    Cluster(AutoPipeline<Cluster>),
 }
 
 /// Why a Redis operation failed.
@@ -286,9 +287,8 @@ impl RedisStore {
     /// Connects to a Redis Cluster with a client the application configured (TLS,
     /// credentials, retries, timeouts).
     pub async fn from_cluster_client(client: ClusterClient) -> Result<Self, RedisStoreError> {
-        Ok(Self::with(Commands::Cluster(
-            Cluster::connect(&client).await?,
-        )))
+        let cluster = Cluster::connect(&client).await?;
+        Ok(Self::with(Commands::Cluster(AutoPipeline::new(cluster))))
     }
 
     /// Connects to the primary that the sentinels at `sentinel_urls` name for `master`, and
@@ -427,6 +427,7 @@ impl RedisStore {
     async fn query<T: FromRedisValue>(
         &self,
         command: Cmd,
+        key: &str,
         unawaited: Unawaited,
         durable: bool,
     ) -> redis::RedisResult<T> {
@@ -434,12 +435,13 @@ impl RedisStore {
         let reply = match &*self.commands {
             Commands::Node(pipeline) => {
                 pipeline
-                    .query(command, self.timeout, unawaited, acks)
+                    .query(command, 0, self.timeout, unawaited, acks)
                     .await?
             }
-            Commands::Cluster(cluster) => {
-                cluster
-                    .query(command, self.timeout, unawaited, acks)
+            Commands::Cluster(pipeline) => {
+                let slot = cluster::slot(key.as_bytes());
+                pipeline
+                    .query(command, slot, self.timeout, unawaited, acks)
                     .await?
             }
         };
@@ -458,10 +460,10 @@ impl RedisStore {
         durable: bool,
     ) -> redis::RedisResult<T> {
         let evalsha = script_command("EVALSHA", &script.hash, key, args);
-        match self.query(evalsha, unawaited, durable).await {
+        match self.query(evalsha, key, unawaited, durable).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let eval = script_command("EVAL", &script.code, key, args);
-                self.query(eval, unawaited, durable).await
+                self.query(eval, key, unawaited, durable).await
             }
             reply => reply,
         }
@@ -585,7 +587,7 @@ impl Store for RedisStore {
                 .arg("PX")
                 .arg(millis(lease))
                 .arg("GET");
-            match self.query(set, Unawaited::Skip, true).await {
+            match self.query(set, &key, Unawaited::Skip, true).await {
                 Err(error) if error.to_string().contains("syntax error") => {
                     tracing::info!(
                         "this Redis has no SET … NX GET (before 7.0): claiming by script"
@@ -652,7 +654,9 @@ impl Store for RedisStore {
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = self.redis_key(scope);
         let eval = script_command("EVAL", &RELEASE, &key, &[token.as_bytes()]);
-        Ok(fenced(self.query(eval, Unawaited::Send, false).await?))
+        Ok(fenced(
+            self.query(eval, &key, Unawaited::Send, false).await?,
+        ))
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {

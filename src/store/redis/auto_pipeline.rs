@@ -9,16 +9,17 @@
 //! scheduler turn per command; a loaded one pays one write for many.
 
 use std::{
+    future::Future,
     io,
     sync::{Arc, PoisonError, RwLock},
     time::Duration,
 };
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use redis::{aio::ConnectionLike, Arg, Cmd, ErrorKind, Pipeline, RedisError, RedisResult, Value};
+use redis::{Arg, Cmd, ErrorKind, Pipeline, RedisError, RedisResult, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{primary::Primary, replicas::Replicas};
+use super::replicas::Replicas;
 
 /// Most commands in one write: a bound on how long a batch's first command waits for the
 /// rest to be encoded and answered.
@@ -28,13 +29,28 @@ const MAX_BATCH: usize = 512;
 const MAX_BATCH_BYTES: usize = 1 << 20;
 
 /// A command waiting for the next batch, with where its reply goes.
-struct Queued {
-    command: Cmd,
-    reply: oneshot::Sender<RedisResult<Value>>,
+pub(super) struct Queued {
+    pub(super) command: Cmd,
+    pub(super) reply: Reply,
     /// Whether the command still leaves once nobody awaits its reply.
     unawaited: Unawaited,
     /// The replicas that must have the command's write before it is answered.
-    acks: Option<Replicas>,
+    pub(super) acks: Option<Replicas>,
+    /// The cluster slot of the command's key (unused on one server).
+    pub(super) slot: u16,
+}
+
+/// Where a command's reply goes.
+pub(super) type Reply = oneshot::Sender<RedisResult<Value>>;
+
+/// Where batches go: one server, or the masters of a cluster.
+pub(super) trait Transport: Send + Sync + 'static {
+    /// Run when a writer starts: revives a connection that a runtime which has shut down
+    /// may have left dead.
+    fn revive(&self) -> impl Future<Output = ()> + Send;
+
+    /// Sends one batch and answers each of its commands.
+    fn send(self: Arc<Self>, batch: Vec<Queued>) -> impl Future<Output = ()> + Send;
 }
 
 /// What becomes of a command whose caller stopped waiting (timed out, or was dropped)
@@ -48,19 +64,19 @@ pub(super) enum Unawaited {
     Send,
 }
 
-/// Sends commands through one connection, batching those issued together.
-pub(super) struct AutoPipeline {
-    primary: Arc<Primary>,
+/// Sends commands through a [`Transport`], batching those issued together.
+pub(super) struct AutoPipeline<T> {
+    transport: Arc<T>,
     /// The writer's queue. The writer starts on first use, in the runtime that uses it, and
     /// stops when the last handle to this queue is dropped or when that runtime shuts down;
     /// then the next command starts a new one.
     queue: RwLock<Option<mpsc::UnboundedSender<Queued>>>,
 }
 
-impl AutoPipeline {
-    pub(super) fn new(primary: Primary) -> Self {
+impl<T: Transport> AutoPipeline<T> {
+    pub(super) fn new(transport: T) -> Self {
         Self {
-            primary: Arc::new(primary),
+            transport: Arc::new(transport),
             queue: RwLock::new(None),
         }
     }
@@ -70,10 +86,12 @@ impl AutoPipeline {
     /// queued behind a busy runtime counts, not only time on the wire. A command that times
     /// out before its batch leaves is sent or not as `unawaited` says. With `acks`, the
     /// reply comes once that many replicas have the write (one `WAIT` closes each batch
-    /// that needs it), or as an error when they do not in time.
+    /// that needs it), or as an error when they do not in time. `slot` is the cluster slot
+    /// of the command's key.
     pub(super) async fn query(
         &self,
         command: Cmd,
+        slot: u16,
         timeout: Duration,
         unawaited: Unawaited,
         acks: Option<Replicas>,
@@ -84,6 +102,7 @@ impl AutoPipeline {
             reply,
             unawaited,
             acks,
+            slot,
         });
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(reply)) => reply,
@@ -106,7 +125,7 @@ impl AutoPipeline {
             return;
         };
         let (sender, commands) = mpsc::unbounded_channel();
-        tokio::spawn(write_batches(Arc::clone(&self.primary), commands));
+        tokio::spawn(write_batches(Arc::clone(&self.transport), commands));
         // The writer holds the receiver until every sender is gone: this send succeeds.
         let _ = sender.send(queued);
         *queue = Some(sender);
@@ -123,15 +142,11 @@ fn send_to(queue: &Option<mpsc::UnboundedSender<Queued>>, queued: Queued) -> Opt
 
 /// Takes what is queued, batch after batch, until every sender is gone and every batch
 /// answered. Batches are handed to the connection in the order they were formed.
-async fn write_batches(primary: Arc<Primary>, mut commands: mpsc::UnboundedReceiver<Queued>) {
-    // The connection may be driven by a runtime that has shut down (the one the store was
-    // opened in, or the one that ran the writer before this one): a harmless command finds
-    // it dead and starts a reconnection, rather than the first real batch failing on it.
-    // One round trip per writer, which starts once per runtime.
-    let _ = primary
-        .connection()
-        .send_packed_command(&redis::cmd("PING"))
-        .await;
+async fn write_batches<T: Transport>(
+    transport: Arc<T>,
+    mut commands: mpsc::UnboundedReceiver<Queued>,
+) {
+    transport.revive().await;
     let mut in_flight = FuturesUnordered::new();
     loop {
         let first = tokio::select! {
@@ -149,7 +164,7 @@ async fn write_batches(primary: Arc<Primary>, mut commands: mpsc::UnboundedRecei
         tokio::task::yield_now().await;
         let batch = take_batch(first, &mut commands);
         if !batch.is_empty() {
-            in_flight.push(send(Arc::clone(&primary), batch));
+            in_flight.push(Arc::clone(&transport).send(batch));
         }
     }
     while in_flight.next().await.is_some() {}
@@ -175,63 +190,65 @@ fn take_batch(first: Queued, commands: &mut mpsc::UnboundedReceiver<Queued>) -> 
     batch
 }
 
-/// Sends one batch as a pipeline and answers each command with its own reply, or every
-/// command with the connection's error. A batch holding commands that need replicas'
-/// acknowledgement ends with one `WAIT` for the most replicas any of them needs: `WAIT`
-/// covers every write the connection sent before it.
-async fn send(primary: Arc<Primary>, batch: Vec<Queued>) {
-    let mut pipeline = Pipeline::with_capacity(batch.len() + 1);
-    let mut replies = Vec::with_capacity(batch.len());
-    let mut wait: Option<Replicas> = None;
-    for Queued {
-        command,
-        reply,
-        acks,
-        ..
-    } in batch
-    {
-        pipeline.add_command(command);
-        wait = Replicas::most(wait, acks);
-        replies.push((reply, acks));
-    }
-    if let Some(wait) = wait {
-        pipeline.add_command(wait.command());
-    }
-    let expected = pipeline.len();
-    let answered = primary
-        .connection()
-        .req_packed_commands(&pipeline, 0, expected)
-        .await;
-    match answered {
-        Ok(mut values) if values.len() == expected => {
-            let acknowledged = wait.map(|_| values.pop().unwrap_or(Value::Nil));
-            for (value, (reply, acks)) in values.into_iter().zip(replies) {
-                let value = value.extract_error().and_then(|value| match acks {
-                    Some(acks) => acks.check(acknowledged.as_ref()).map(|()| value),
-                    None => Ok(value),
-                });
-                if let Err(error) = &value {
-                    primary.suspect(error);
-                }
-                let _ = reply.send(value);
-            }
+/// A batch as one pipeline: its commands in order, then, where any of them needs replicas'
+/// acknowledgement, one `WAIT` for the most replicas any of them needs (`WAIT` covers every
+/// write the connection sent before it).
+pub(super) struct Batch {
+    pub(super) pipeline: Pipeline,
+    pub(super) replies: Vec<Reply>,
+    pub(super) acks: Vec<Option<Replicas>>,
+    wait: Option<Replicas>,
+}
+
+impl Batch {
+    pub(super) fn new(queued: Vec<Queued>) -> Self {
+        let mut pipeline = Pipeline::with_capacity(queued.len() + 1);
+        let mut replies = Vec::with_capacity(queued.len());
+        let mut acks = Vec::with_capacity(queued.len());
+        let mut wait: Option<Replicas> = None;
+        for queued in queued {
+            pipeline.add_command(queued.command);
+            wait = Replicas::most(wait, queued.acks);
+            replies.push(queued.reply);
+            acks.push(queued.acks);
         }
-        Ok(values) => {
-            let error = RedisError::from((
+        if let Some(wait) = wait {
+            pipeline.add_command(wait.command());
+        }
+        Self {
+            pipeline,
+            replies,
+            acks,
+            wait,
+        }
+    }
+
+    /// How many replies the pipeline answers.
+    pub(super) fn expected(&self) -> usize {
+        self.pipeline.len()
+    }
+
+    /// Each command's own reply, from what the pipeline answered: a server error as `Err`,
+    /// and so a write whose replicas did not acknowledge it.
+    pub(super) fn results(&self, mut values: Vec<Value>) -> RedisResult<Vec<RedisResult<Value>>> {
+        if values.len() != self.expected() {
+            return Err(RedisError::from((
                 ErrorKind::Client,
                 "a pipeline answered a different number of replies than it sent commands",
-                format!("{expected} commands, {} replies", values.len()),
-            ));
-            for (reply, _) in replies {
-                let _ = reply.send(Err(error.clone()));
-            }
+                format!("{} commands, {} replies", self.expected(), values.len()),
+            )));
         }
-        Err(error) => {
-            primary.suspect(&error);
-            for (reply, _) in replies {
-                let _ = reply.send(Err(error.clone()));
-            }
-        }
+        let acknowledged = self.wait.map(|_| values.pop().unwrap_or(Value::Nil));
+        Ok(values
+            .into_iter()
+            .zip(&self.acks)
+            .map(|(value, acks)| {
+                value.extract_error().and_then(|value| match acks {
+                    Some(acks) => acks.check(acknowledged.as_ref()).map(|()| value),
+                    None => Ok(value),
+                })
+            })
+            .collect())
     }
 }
 
@@ -294,6 +311,7 @@ mod tests {
                     reply,
                     unawaited,
                     acks: None,
+                    slot: 0,
                 })
                 .unwrap();
         }

@@ -16,10 +16,12 @@ use std::{
 };
 
 use redis::{
-    aio::{ConnectionManager, ConnectionManagerConfig},
+    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
     sentinel::SentinelClient,
     ConnectionAddr, ErrorKind, RedisError, RedisResult, ServerErrorKind,
 };
+
+use super::auto_pipeline::{Batch, Queued, Transport};
 
 /// The least time between two questions to the sentinels: during a failover every failed
 /// batch would otherwise ask again.
@@ -139,6 +141,45 @@ impl Primary {
             address: Some(address),
         };
         Ok(())
+    }
+}
+
+/// One server takes a whole batch as one pipeline: one write and one read.
+impl Transport for Primary {
+    async fn revive(&self) {
+        // The connection may be driven by a runtime that has shut down (the one the store
+        // was opened in, or the one that ran the previous writer): a harmless command finds
+        // it dead and starts a reconnection, rather than the first real batch failing on
+        // it. One round trip per writer, which starts once per runtime.
+        let _ = self
+            .connection()
+            .send_packed_command(&redis::cmd("PING"))
+            .await;
+    }
+
+    async fn send(self: Arc<Self>, batch: Vec<Queued>) {
+        let batch = Batch::new(batch);
+        let answered = self
+            .connection()
+            .req_packed_commands(&batch.pipeline, 0, batch.expected())
+            .await
+            .and_then(|values| batch.results(values));
+        match answered {
+            Ok(results) => {
+                for (result, reply) in results.into_iter().zip(batch.replies) {
+                    if let Err(error) = &result {
+                        self.suspect(error);
+                    }
+                    let _ = reply.send(result);
+                }
+            }
+            Err(error) => {
+                self.suspect(&error);
+                for reply in batch.replies {
+                    let _ = reply.send(Err(error.clone()));
+                }
+            }
+        }
     }
 }
 
