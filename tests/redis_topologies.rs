@@ -226,6 +226,47 @@ async fn commands_of_concurrent_requests_share_writes_per_master() {
     blocking(move || drop(cluster)).await;
 }
 
+/// The `payments` example, as a process of its own, takes its store from
+/// `REDIS_CLUSTER_URLS`, or `REDIS_SENTINEL_URLS` with `REDIS_SENTINEL_MASTER`, and waits for
+/// a replica with `IDEMPOTENCY_REPLICAS` (the shared topologies of the test script).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_payments_example_runs_on_a_cluster_and_behind_sentinel() {
+    let env = |name: &str| {
+        std::env::var(name).unwrap_or_else(|_| {
+            panic!("{name} is not set: run the suite with scripts/test.sh, which starts it")
+        })
+    };
+    let cluster = env("REDIS_CLUSTER_URLS");
+    let sentinels = env("REDIS_SENTINEL_URLS");
+    let master = env("REDIS_SENTINEL_MASTER");
+    let topologies = [
+        vec![("REDIS_CLUSTER_URLS", cluster.as_str())],
+        vec![
+            ("REDIS_SENTINEL_URLS", sentinels.as_str()),
+            ("REDIS_SENTINEL_MASTER", master.as_str()),
+        ],
+    ];
+    for mut settings in topologies {
+        settings.push(("IDEMPOTENCY_REPLICAS", "1"));
+        let example = support::payments::ExampleProcess::start(&settings).await;
+        let api = example.api();
+        let key = fresh_key();
+        let first = api.pay(&key, "alice", &charge(1250)).await;
+        let id = first.assert_payment(1250, "usd");
+        // A second instance on the same store replays it.
+        let other = example.start_another().await;
+        let retry = other.api().pay(&key, "alice", &charge(1250)).await;
+        retry.assert_replay_of(&first);
+        assert_eq!(retry.json()["id"].as_str(), Some(id.as_str()));
+        assert_eq!(api.stats().await.payments_executed, 1, "{settings:?}");
+        assert_eq!(
+            other.api().stats().await.payments_executed,
+            0,
+            "{settings:?}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // A cluster master killed under load.
 // ---------------------------------------------------------------------------------------

@@ -338,8 +338,9 @@ impl ExampleProcess {
     /// Starts it on a free loopback port with `env`, and waits until it answers
     /// `GET /v1/stats`.
     ///
-    /// The test's own `REDIS_URL` and `DATABASE_URL` are not passed on: the store is
-    /// in-memory unless `env` sets one of them (Redis wins when both are set).
+    /// The test's own store settings (`REDIS_URL`, `REDIS_CLUSTER_URLS`,
+    /// `REDIS_SENTINEL_URLS`, `DATABASE_URL`, ...) are not passed on: the store is in-memory
+    /// unless `env` names one.
     pub async fn start(env: &[(&str, &str)]) -> Self {
         let env = env
             .iter()
@@ -365,6 +366,10 @@ impl ExampleProcess {
         let child = Command::new(example_binary())
             .env("PAYMENTS_ADDR", addr.to_string())
             .env_remove("REDIS_URL")
+            .env_remove("REDIS_CLUSTER_URLS")
+            .env_remove("REDIS_SENTINEL_URLS")
+            .env_remove("REDIS_SENTINEL_MASTER")
+            .env_remove("IDEMPOTENCY_REPLICAS")
             .env_remove("DATABASE_URL")
             .envs(env.iter().map(|(name, value)| (name, value)))
             .stdin(Stdio::null())
