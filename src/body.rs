@@ -6,6 +6,7 @@ use std::{
 };
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
@@ -13,12 +14,17 @@ pin_project! {
     /// The body of every response that passes through the layer: the inner service's own
     /// body (passed through untouched), a buffered one (recorded or replayed responses and
     /// the layer's errors), or a buffered prefix followed by the rest of the inner body (a
-    /// response too large to record, streamed on to its client).
+    /// response too large to record, streamed on to its client). A buffered body ends with
+    /// the trailers it was recorded with, if any.
+    ///
+    /// A service in front of the layer that answers by itself can build one with
+    /// [`full`](Self::full).
     #[derive(Debug)]
     pub struct ResponseBody<B> {
         prefix: Option<Bytes>,
         #[pin]
         rest: Option<B>,
+        trailers: Option<HeaderMap>,
     }
 }
 
@@ -27,13 +33,25 @@ impl<B> ResponseBody<B> {
         Self {
             prefix: None,
             rest: Some(body),
+            trailers: None,
         }
     }
 
-    pub(crate) fn full(bytes: Bytes) -> Self {
+    /// A body of `bytes`, whole.
+    pub fn full(bytes: impl Into<Bytes>) -> Self {
         Self {
-            prefix: Some(bytes),
+            prefix: Some(bytes.into()),
             rest: None,
+            trailers: None,
+        }
+    }
+
+    /// A body of `bytes` followed by `trailers` (none when empty).
+    pub fn with_trailers(bytes: impl Into<Bytes>, trailers: HeaderMap) -> Self {
+        Self {
+            prefix: Some(bytes.into()),
+            rest: None,
+            trailers: (!trailers.is_empty()).then_some(trailers),
         }
     }
 
@@ -41,6 +59,7 @@ impl<B> ResponseBody<B> {
         Self {
             prefix: Some(prefix),
             rest: Some(rest),
+            trailers: None,
         }
     }
 }
@@ -62,13 +81,14 @@ where
         }
         match this.rest.as_pin_mut() {
             Some(rest) => rest.poll_frame(cx),
-            None => Poll::Ready(None),
+            None => Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         self.prefix.as_ref().is_none_or(Bytes::is_empty)
             && self.rest.as_ref().is_none_or(Body::is_end_stream)
+            && self.trailers.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -103,5 +123,17 @@ mod tests {
         let full = ResponseBody::<Full<Bytes>>::full(Bytes::from_static(b"x"));
         assert!(!full.is_end_stream());
         assert_eq!(full.collect().await.unwrap().to_bytes(), "x");
+    }
+
+    #[tokio::test]
+    async fn a_buffered_body_ends_with_its_trailers() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        let body = ResponseBody::<Full<Bytes>>::with_trailers("x", trailers.clone());
+        let collected = body.collect().await.unwrap();
+        assert_eq!(collected.trailers(), Some(&trailers));
+        assert_eq!(collected.to_bytes(), "x");
+        let empty = ResponseBody::<Full<Bytes>>::with_trailers("", HeaderMap::new());
+        assert!(empty.is_end_stream());
     }
 }

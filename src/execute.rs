@@ -401,14 +401,15 @@ impl Held {
     {
         let (parts, body) = response.into_parts();
         let (stored, body) = match buffer_response(body, self.config.max_response_body).await {
-            Buffered::Whole(bytes) => {
+            Buffered::Whole { body, trailers } => {
                 let headers = replayable_headers(&parts.headers);
                 let stored = StoredResponse {
                     status: parts.status,
                     headers,
-                    body: bytes.clone(),
+                    body: body.clone(),
+                    trailers: trailers.clone(),
                 };
-                (stored, ResponseBody::full(bytes))
+                (stored, ResponseBody::with_trailers(body, trailers))
             }
             Buffered::TooLarge { prefix, rest } => {
                 self.warn("response larger than max_response_body: retries get 409 response_not_replayable");
@@ -454,7 +455,7 @@ impl Held {
 }
 
 enum Buffered<B: Body> {
-    Whole(Bytes),
+    Whole { body: Bytes, trailers: HeaderMap },
     TooLarge { prefix: Bytes, rest: B },
     Failed(B::Error),
 }
@@ -471,14 +472,19 @@ where
     }
     // Most bodies are one frame: keep it without copying.
     let mut first: Option<Bytes> = None;
+    let mut trailers = HeaderMap::new();
     let mut more = BytesMut::new();
     let mut len = 0;
     while let Some(frame) = body.frame().await {
         let data = match frame {
             Ok(frame) => match frame.into_data() {
                 Ok(data) => data,
-                // Trailers are not recorded.
-                Err(_) => continue,
+                Err(frame) => {
+                    if let Ok(more) = frame.into_trailers() {
+                        trailers.extend(more);
+                    }
+                    continue;
+                }
             },
             Err(error) => return Buffered::Failed(error),
         };
@@ -501,11 +507,12 @@ where
             return Buffered::TooLarge { prefix, rest: body };
         }
     }
-    Buffered::Whole(if more.is_empty() {
+    let body = if more.is_empty() {
         first.unwrap_or_default()
     } else {
         more.freeze()
-    })
+    };
+    Buffered::Whole { body, trailers }
 }
 
 /// Every header but the hop-by-hop ones (RFC 9110 §7.6.1, and any that `Connection`
@@ -590,7 +597,10 @@ mod tests {
             _ => panic!("expected TooLarge"),
         }
         match buffer_response(Full::new(Bytes::from_static(b"abc")), 3).await {
-            Buffered::Whole(bytes) => assert_eq!(bytes, "abc"),
+            Buffered::Whole { body, trailers } => {
+                assert_eq!(body, "abc");
+                assert!(trailers.is_empty());
+            }
             _ => panic!("expected Whole"),
         }
     }

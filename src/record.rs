@@ -53,10 +53,14 @@ pub struct StoredResponse {
     pub headers: HeaderMap,
     /// The body bytes.
     pub body: Bytes,
+    /// The trailers that followed the body (gRPC's status lives there); empty when none.
+    pub trailers: HeaderMap,
 }
 
 /// One key's record in a store.
 #[derive(Clone, Debug, PartialEq, Eq)]
+// The completed variant is the one replays read: boxing it would cost them an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum Record {
     /// A request holds the key and is executing.
     InProgress {
@@ -84,6 +88,10 @@ pub struct DecodeError(&'static str);
 pub(crate) const VERSION_1: u8 = 1;
 pub(crate) const IN_PROGRESS: u8 = b'P';
 const COMPLETED: u8 = b'C';
+/// A completed record whose response had trailers: they follow the headers. Responses
+/// without trailers keep the `C` layout, so records written before trailers were recorded
+/// read as they did.
+const COMPLETED_WITH_TRAILERS: u8 = b'T';
 
 impl Record {
     /// The fingerprint of the request that claimed the key.
@@ -96,8 +104,9 @@ impl Record {
     }
 
     /// Encodes the record: `version, kind, fingerprint`, then the token (in progress) or
-    /// `status u16, header count u32, (name len u32, name, value len u32, value)*, body`.
-    /// Integers are big-endian; the body runs to the end.
+    /// `status u16, header count u32, (name len u32, name, value len u32, value)*, body`
+    /// (completed; with trailers, kind `T` and the trailers encoded as the headers are,
+    /// between the headers and the body). Integers are big-endian; the body runs to the end.
     pub fn encode(&self) -> Bytes {
         match self {
             Self::InProgress { fingerprint, token } => {
@@ -130,14 +139,20 @@ impl Record {
                 }
                 Ok(Self::InProgress { fingerprint, token })
             }
-            COMPLETED => {
+            COMPLETED | COMPLETED_WITH_TRAILERS => {
                 let status = StatusCode::from_u16(u16::from_be_bytes(take_array(&mut bytes)?))
                     .map_err(|_| DecodeError("invalid status"))?;
                 let headers = take_headers(&mut bytes)?;
+                let trailers = if kind == COMPLETED_WITH_TRAILERS {
+                    take_headers(&mut bytes)?
+                } else {
+                    HeaderMap::new()
+                };
                 let response = StoredResponse {
                     status,
                     headers,
                     body: bytes,
+                    trailers,
                 };
                 Ok(Self::Completed {
                     fingerprint,
@@ -158,12 +173,20 @@ pub(crate) fn encode_completed(fingerprint: &Fingerprint, response: &StoredRespo
 
 /// The length of the completed record of `response`.
 pub(crate) fn completed_len(response: &StoredResponse) -> usize {
-    let headers_len: usize = response
-        .headers
+    let trailers_len = if response.trailers.is_empty() {
+        0
+    } else {
+        headers_len(&response.trailers)
+    };
+    2 + 32 + 2 + headers_len(&response.headers) + trailers_len + response.body.len()
+}
+
+/// The length of what [`put_headers`] writes for `headers`.
+pub(crate) fn headers_len(headers: &HeaderMap) -> usize {
+    4 + headers
         .iter()
         .map(|(name, value)| 8 + name.as_str().len() + value.len())
-        .sum();
-    2 + 32 + 6 + headers_len + response.body.len()
+        .sum::<usize>()
 }
 
 /// Writes the completed record of `response` at the end of `out`, for a store that frames
@@ -173,11 +196,19 @@ pub(crate) fn put_completed(
     fingerprint: &Fingerprint,
     response: &StoredResponse,
 ) {
+    let with_trailers = !response.trailers.is_empty();
     out.put_u8(VERSION_1);
-    out.put_u8(COMPLETED);
+    out.put_u8(if with_trailers {
+        COMPLETED_WITH_TRAILERS
+    } else {
+        COMPLETED
+    });
     out.put_slice(fingerprint.as_bytes());
     out.put_u16(response.status.as_u16());
     put_headers(out, &response.headers);
+    if with_trailers {
+        put_headers(out, &response.trailers);
+    }
     out.put_slice(&response.body);
 }
 
@@ -255,6 +286,10 @@ mod tests {
     }
 
     fn completed(body: &'static [u8]) -> Record {
+        completed_with(body, HeaderMap::new())
+    }
+
+    fn completed_with(body: &'static [u8], trailers: HeaderMap) -> Record {
         let mut headers = HeaderMap::new();
         headers.append("set-cookie", HeaderValue::from_static("a=1"));
         headers.append("set-cookie", HeaderValue::from_static("b=2"));
@@ -265,8 +300,16 @@ mod tests {
                 status: StatusCode::PAYMENT_REQUIRED,
                 headers,
                 body: Bytes::from_static(body),
+                trailers,
             },
         }
+    }
+
+    fn grpc_trailers() -> HeaderMap {
+        let mut trailers = HeaderMap::new();
+        trailers.append("grpc-status", HeaderValue::from_static("9"));
+        trailers.append("grpc-message", HeaderValue::from_static("card_declined"));
+        trailers
     }
 
     #[test]
@@ -274,6 +317,8 @@ mod tests {
         for record in [
             completed(b"\x00\xffbinary"),
             completed(b""),
+            completed_with(b"\x00\x00\x00\x00\x02hi", grpc_trailers()),
+            completed_with(b"", grpc_trailers()),
             Record::InProgress {
                 fingerprint: Fingerprint::from_bytes([1; 32]),
                 token: ClaimToken::unique(),
@@ -284,7 +329,34 @@ mod tests {
     }
 
     #[test]
+    fn records_without_trailers_keep_their_layout() {
+        // Written before trailers were recorded: kind `C`, headers, then the body.
+        let record = completed(b"ok");
+        let encoded = record.encode();
+        assert_eq!(encoded[1], COMPLETED);
+        assert_eq!(&encoded[encoded.len() - 2..], b"ok");
+        assert_eq!(encoded.len(), completed_len(&response_of(&record)));
+        let with = completed_with(b"ok", grpc_trailers());
+        assert_eq!(with.encode()[1], COMPLETED_WITH_TRAILERS);
+        assert_eq!(with.encode().len(), completed_len(&response_of(&with)));
+    }
+
+    fn response_of(record: &Record) -> StoredResponse {
+        match record {
+            Record::Completed { response, .. } => response.clone(),
+            Record::InProgress { .. } => unreachable!(),
+        }
+    }
+
+    #[test]
     fn every_truncation_is_an_error() {
+        let encoded = completed_with(b"", grpc_trailers()).encode();
+        for len in 0..encoded.len() {
+            assert!(
+                Record::decode(encoded.slice(..len)).is_err(),
+                "prefix of {len} bytes"
+            );
+        }
         let encoded = completed(b"").encode();
         for len in 0..encoded.len() {
             assert!(

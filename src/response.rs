@@ -95,6 +95,7 @@ impl Rejection {
             status,
             headers,
             body,
+            trailers: HeaderMap::new(),
         }
     }
 }
@@ -108,7 +109,7 @@ pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
     let mut headers = stored.headers;
     headers.insert(REPLAYED, HeaderValue::from_static("true"));
-    let mut response = Response::new(ResponseBody::full(stored.body));
+    let mut response = Response::new(ResponseBody::with_trailers(stored.body, stored.trailers));
     *response.status_mut() = stored.status;
     *response.headers_mut() = headers;
     response

@@ -58,6 +58,7 @@ for_each_store!(
     hop_by_hop_headers_and_date_are_not_replayed,
     per_route_layers_are_configured_independently,
     plain_service_fn_is_protected,
+    trailers_are_passed_on_recorded_and_replayed,
     fingerprint_headers_are_part_of_the_parameters,
 );
 
@@ -508,6 +509,7 @@ async fn stale_holder_cannot_touch_the_new_claim(store: Arc<dyn Store>) {
         status: StatusCode::OK,
         headers: HeaderMap::new(),
         body: Bytes::from_static(b"stale"),
+        trailers: http::HeaderMap::new(),
     };
     let ttl = Duration::from_secs(60);
     assert_eq!(
@@ -563,6 +565,7 @@ async fn completing_twice_with_one_token_is_harmless(store: Arc<dyn Store>) {
         status: StatusCode::CREATED,
         headers: HeaderMap::new(),
         body: Bytes::from_static(b"once"),
+        trailers: http::HeaderMap::new(),
     };
     for _ in 0..2 {
         let fenced = store
@@ -806,6 +809,62 @@ async fn plain_service_fn_is_protected(store: Arc<dyn Store>) {
     assert_eq!(retry.body, "echo me");
     let other = read(service.oneshot(request("other")).await.unwrap()).await;
     assert_eq!(other.status, StatusCode::CONFLICT);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A response's trailers (where gRPC keeps its status) reach the first client, are recorded,
+/// and end every replay, byte for byte.
+async fn trailers_are_passed_on_recorded_and_replayed(store: Arc<dyn Store>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let service = tower::service_fn({
+        let calls = calls.clone();
+        move |_: Request<http_body_util::Full<Bytes>>| {
+            let call = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                trailers.insert("x-call", HeaderValue::from(call));
+                trailers.append(
+                    "x-bin",
+                    HeaderValue::from_bytes(b"\xff\x00").unwrap_or(HeaderValue::from_static("b")),
+                );
+                let frames = [
+                    Ok::<_, std::convert::Infallible>(http_body::Frame::data(Bytes::from_static(
+                        b"\0\0\0\0\x02hi",
+                    ))),
+                    Ok(http_body::Frame::trailers(trailers)),
+                ];
+                let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+                Ok::<_, std::convert::Infallible>(Response::new(body))
+            }
+        }
+    });
+    let service = tower::ServiceBuilder::new()
+        .layer(layer(&store).required())
+        .service(service);
+    let request = || {
+        Request::post("/grpc")
+            .header("idempotency-key", "trailers")
+            .body(http_body_util::Full::from("call"))
+            .unwrap()
+    };
+    let first = service.clone().oneshot(request()).await.unwrap();
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let first = first.into_body().collect().await.unwrap();
+    let trailers = first
+        .trailers()
+        .cloned()
+        .expect("the first client gets the trailers");
+    assert_eq!(trailers.get("x-call").unwrap(), "1");
+    assert_eq!(trailers.get("grpc-status").unwrap(), "0");
+    assert_eq!(first.to_bytes(), &b"\0\0\0\0\x02hi"[..]);
+    for _ in 0..2 {
+        let retry = service.clone().oneshot(request()).await.unwrap();
+        assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
+        let retry = retry.into_body().collect().await.unwrap();
+        assert_eq!(retry.trailers(), Some(&trailers));
+        assert_eq!(retry.to_bytes(), &b"\0\0\0\0\x02hi"[..]);
+    }
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 

@@ -94,20 +94,25 @@ proptest! {
         status in 100u16..1000,
         headers in prop::collection::vec(("[a-z][a-z0-9-]{0,20}", prop::collection::vec(0x20u8..0xff, 0..40)), 0..8),
         body in prop::collection::vec(any::<u8>(), 0..2048),
+        trailers in prop::collection::vec(("[a-z][a-z0-9-]{0,20}", prop::collection::vec(0x20u8..0xff, 0..40)), 0..4),
         fingerprint in any::<[u8; 32]>(),
         token in any::<[u8; 16]>(),
     ) {
-        let mut map = HeaderMap::new();
-        for (name, value) in &headers {
-            if let Ok(value) = HeaderValue::from_bytes(value) {
-                map.append(HeaderName::from_bytes(name.as_bytes()).unwrap(), value);
+        let map_of = |pairs: &[(String, Vec<u8>)]| {
+            let mut map = HeaderMap::new();
+            for (name, value) in pairs {
+                if let Ok(value) = HeaderValue::from_bytes(value) {
+                    map.append(HeaderName::from_bytes(name.as_bytes()).unwrap(), value);
+                }
             }
-        }
+            map
+        };
         let fingerprint = Fingerprint::from_bytes(fingerprint);
         let response = StoredResponse {
             status: StatusCode::from_u16(status).unwrap(),
-            headers: map,
+            headers: map_of(&headers),
             body: Bytes::from(body),
+            trailers: map_of(&trailers),
         };
         let completed = Record::Completed { fingerprint, response };
         prop_assert_eq!(Record::decode(completed.encode()).unwrap(), completed);
@@ -130,7 +135,7 @@ proptest! {
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         let record = Record::Completed {
             fingerprint: Fingerprint::from_bytes([1; 32]),
-            response: StoredResponse { status: StatusCode::OK, headers, body: Bytes::from(body) },
+            response: StoredResponse { status: StatusCode::OK, headers, body: Bytes::from(body), trailers: http::HeaderMap::new() },
         };
         let mut bytes = record.encode().to_vec();
         for (at, value) in flips {

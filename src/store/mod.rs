@@ -50,6 +50,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The outcome of [`Store::claim`].
 #[derive(Clone, Debug, PartialEq, Eq)]
+// The completed variant is the one replays read: boxing it would cost them an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum Claim {
     /// The key was free and is now held by the caller, who must complete, release or
     /// extend it with this token.

@@ -5,7 +5,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use deadpool_postgres::{Manager, Pool, Runtime};
-use http::StatusCode;
+use http::{HeaderMap, StatusCode};
 use tokio::task::JoinHandle;
 use tokio_postgres::{types::ToSql, NoTls, Row};
 
@@ -372,11 +372,18 @@ fn decode_claim(row: &Row) -> Result<Claim> {
                 .ok()
                 .and_then(|c| StatusCode::from_u16(c).ok())
                 .ok_or(PostgresStoreError::UnexpectedRow("invalid status_code"))?;
+            // The headers, then the trailers where the response had some (rows written
+            // before trailers were recorded end after the headers).
             let mut headers = Bytes::from(row.try_get::<_, Vec<u8>>(4)?);
             let decoded = take_headers(&mut headers)?;
+            let trailers = if headers.is_empty() {
+                HeaderMap::new()
+            } else {
+                take_headers(&mut headers)?
+            };
             if !headers.is_empty() {
                 return Err(
-                    PostgresStoreError::UnexpectedRow("trailing bytes after headers").into(),
+                    PostgresStoreError::UnexpectedRow("trailing bytes after trailers").into(),
                 );
             }
             let body = Bytes::from(row.try_get::<_, Vec<u8>>(5)?);
@@ -384,6 +391,7 @@ fn decode_claim(row: &Row) -> Result<Claim> {
                 status,
                 headers: decoded,
                 body,
+                trailers,
             };
             Ok(Claim::Completed {
                 fingerprint,
@@ -449,6 +457,9 @@ impl Store for PostgresStore {
     ) -> Result<Fenced> {
         let mut headers = BytesMut::new();
         put_headers(&mut headers, &response.headers);
+        if !response.trailers.is_empty() {
+            put_headers(&mut headers, &response.trailers);
+        }
         let status = response.status.as_u16() as i16;
         let rows = self
             .execute(
