@@ -22,6 +22,7 @@ use tokio::time::Instant;
 
 use crate::{
     body::ResponseBody,
+    grpc::{Protocol, ResponseHead},
     in_flight::Execution,
     layer::Config,
     response::{replay, Rejection},
@@ -62,6 +63,7 @@ where
     ResBody::Error: fmt::Display + Send,
 {
     async move {
+        let protocol = Protocol::of(&parts.headers);
         let token = ClaimToken::unique();
         // The lease the store gives the claim starts no earlier than the claim leaves.
         let claimed_at = Instant::now();
@@ -91,7 +93,7 @@ where
                     ..
                 },
             ) if theirs != fingerprint => {
-                return Ok(Rejection::ReusedWithDifferentParams.into_response());
+                return Ok(Rejection::ReusedWithDifferentParams.into_response(protocol));
             }
             Ok(Claim::Completed { response, .. }) => return Ok(replay(response)),
             Ok(Claim::InProgress {
@@ -100,7 +102,7 @@ where
                 return Ok(Rejection::InProgress {
                     retry_after: lease_remaining,
                 }
-                .into_response());
+                .into_response(protocol));
             }
             Err(error) if config.fail_open => {
                 tracing::error!(
@@ -118,7 +120,7 @@ where
                     principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
                     "idempotency store unavailable: refusing the request (fail-closed)"
                 );
-                return Ok(Rejection::StoreUnavailable.into_response());
+                return Ok(Rejection::StoreUnavailable.into_response(protocol));
             }
         }
         let held = Held {
@@ -127,6 +129,7 @@ where
             config,
             scope,
             token,
+            protocol,
             renewed: Mutex::new(claimed_at),
         };
         // Rebuilt only here: a replay or a rejection never needs the request again.
@@ -235,6 +238,7 @@ impl Drop for AbandonedClaim<'_> {
             config: Arc::clone(config),
             scope: scope.clone(),
             token,
+            protocol: Protocol::Http,
             renewed: Mutex::new(Instant::now()),
         };
         runtime.spawn(async move {
@@ -252,6 +256,8 @@ struct Held {
     config: Arc<Config>,
     scope: Scope,
     token: ClaimToken,
+    /// How the request expects the layer's own answers.
+    protocol: Protocol,
     /// When the last claim or renewal that the store applied was sent: the lease runs
     /// until at least this plus the lease.
     renewed: Mutex<Instant>,
@@ -402,6 +408,12 @@ impl Held {
         let (parts, body) = response.into_parts();
         let (stored, body) = match buffer_response(body, self.config.max_response_body).await {
             Buffered::Whole { body, trailers } => {
+                let head = ResponseHead::new(parts.status, &parts.headers, &trailers);
+                if (self.config.release_when)(&head) {
+                    self.release("the response releases the key").await;
+                    let body = ResponseBody::with_trailers(body, trailers);
+                    return Response::from_parts(parts, body);
+                }
                 let headers = replayable_headers(&parts.headers);
                 let stored = StoredResponse {
                     status: parts.status,
@@ -416,7 +428,7 @@ impl Held {
                 let stored = Rejection::NotReplayable {
                     status: parts.status,
                 }
-                .into_stored();
+                .into_stored(self.protocol);
                 (stored, ResponseBody::spliced(prefix, rest))
             }
             Buffered::Failed(error) => {

@@ -6,6 +6,7 @@ use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use crate::{
+    grpc::ResponseHead,
     in_flight::InFlight,
     principal::{BoxedPrincipal, DefaultPrincipal, ExtractPrincipal, Unscoped},
     service::Idempotency,
@@ -48,6 +49,7 @@ pub(crate) struct Config {
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) release_on: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
+    pub(crate) release_when: Arc<dyn Fn(&ResponseHead<'_>) -> bool + Send + Sync>,
     pub(crate) fail_open: bool,
     pub(crate) principal: BoxedPrincipal,
     pub(crate) endpoint: Endpoint,
@@ -75,6 +77,7 @@ impl Default for Config {
             max_request_body: 1024 * 1024,
             max_response_body: 1024 * 1024,
             release_on: Arc::new(|status: StatusCode| status.is_server_error()),
+            release_when: Arc::new(|head: &ResponseHead<'_>| head.is_transient_grpc_status()),
             fail_open: false,
             principal: BoxedPrincipal(Arc::new(DefaultPrincipal)),
             endpoint: Endpoint::MethodAndPath,
@@ -251,6 +254,31 @@ impl IdempotencyLayer {
         release: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.config().release_on = Arc::new(release);
+        self
+    }
+
+    /// Which whole responses release the key, judged once the body is buffered, with the
+    /// headers and trailers in view: for statuses that live beyond the HTTP status line.
+    /// Checked after [`release_on`](Self::release_on), for responses it lets through.
+    /// Default: the transient gRPC statuses
+    /// ([`ResponseHead::is_transient_grpc_status`]); a replacement that should keep them
+    /// calls it too. A released response still reaches its client.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, ResponseHead};
+    /// // An API that reports a failed charge as 200 with `x-charge-state: unknown`.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).release_when(|head: &ResponseHead| {
+    ///     head.is_transient_grpc_status()
+    ///         || head.headers.get("x-charge-state").is_some_and(|v| v == "unknown")
+    /// });
+    /// ```
+    pub fn release_when(
+        mut self,
+        release: impl Fn(&ResponseHead<'_>) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.config().release_when = Arc::new(release);
         self
     }
 

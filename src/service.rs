@@ -17,6 +17,7 @@ use crate::{
     body::ResponseBody,
     execute,
     future::ResponseFuture,
+    grpc::Protocol,
     layer::{Config, Endpoint},
     response::Rejection,
     store::Store,
@@ -76,10 +77,14 @@ where
         ) {
             Ok(Some(key)) => key,
             Ok(None) if config.required => {
-                return ResponseFuture::answered(Rejection::KeyRequired.into_response())
+                let protocol = Protocol::of(request.headers());
+                return ResponseFuture::answered(Rejection::KeyRequired.into_response(protocol));
             }
             Ok(None) => return ResponseFuture::pass_through(self.inner.call(request)),
-            Err(_) => return ResponseFuture::answered(Rejection::InvalidKey.into_response()),
+            Err(_) => {
+                let protocol = Protocol::of(request.headers());
+                return ResponseFuture::answered(Rejection::InvalidKey.into_response(protocol));
+            }
         };
         // The service that was made ready goes with this request; the clone stays for the next.
         let clone = self.inner.clone();
@@ -119,7 +124,7 @@ where
     async move {
         let body = match buffer_request(&parts, body, config.max_request_body).await {
             Ok(body) => body,
-            Err(rejection) => return Ok(rejection.into_response()),
+            Err(rejection) => return Ok(rejection.into_response(Protocol::of(&parts.headers))),
         };
         let scope = scope(&config, &parts, key);
         let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);

@@ -59,6 +59,7 @@ for_each_store!(
     per_route_layers_are_configured_independently,
     plain_service_fn_is_protected,
     trailers_are_passed_on_recorded_and_replayed,
+    transient_grpc_statuses_release_and_the_rest_replay,
     fingerprint_headers_are_part_of_the_parameters,
 );
 
@@ -866,6 +867,119 @@ async fn trailers_are_passed_on_recorded_and_replayed(store: Arc<dyn Store>) {
         assert_eq!(retry.to_bytes(), &b"\0\0\0\0\x02hi"[..]);
     }
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A gRPC-shaped service (HTTP 200, the status in the trailers, or in the headers of a
+/// trailers-only answer): `UNAVAILABLE` and `INTERNAL` mean "not done" and release the key,
+/// so the retry executes; `FAILED_PRECONDITION` is a result, recorded and replayed. The
+/// layer's own answers to a gRPC request are gRPC statuses.
+async fn transient_grpc_statuses_release_and_the_rest_replay(store: Arc<dyn Store>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let service = tower::service_fn({
+        let calls = calls.clone();
+        move |request: Request<http_body_util::Full<Bytes>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let status = request.headers()["x-grpc-status"].clone();
+            let trailers_only = request.headers().contains_key("x-trailers-only");
+            async move {
+                let mut head = HeaderMap::new();
+                head.insert("grpc-status", status);
+                let mut response = if trailers_only {
+                    let mut response =
+                        Response::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+                            Vec::<Result<http_body::Frame<Bytes>, std::convert::Infallible>>::new(),
+                        )));
+                    *response.headers_mut() = head;
+                    response
+                } else {
+                    let frames = vec![
+                        Ok(http_body::Frame::data(Bytes::from_static(b"\0\0\0\0\0"))),
+                        Ok(http_body::Frame::trailers(head)),
+                    ];
+                    Response::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+                        frames,
+                    )))
+                };
+                response.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/grpc"),
+                );
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        }
+    });
+    let service = tower::ServiceBuilder::new()
+        .layer(layer(&store).required())
+        .service(service);
+    let call = |key: &str, status: &'static str, trailers_only: bool| {
+        let mut request = Request::post("/payments.v1.Payments/Charge")
+            .header(header::CONTENT_TYPE, "application/grpc")
+            .header("x-grpc-status", status);
+        if !key.is_empty() {
+            request = request.header("idempotency-key", key);
+        }
+        if trailers_only {
+            request = request.header("x-trailers-only", "1");
+        }
+        request.body(http_body_util::Full::from("call")).unwrap()
+    };
+    let grpc_status = |response: &Response<_>, trailers: Option<&HeaderMap>| {
+        trailers
+            .and_then(|t| t.get("grpc-status"))
+            .or_else(|| response.headers().get("grpc-status"))
+            .map(|v: &HeaderValue| v.to_str().unwrap().to_owned())
+    };
+    let send = |request| {
+        let service = service.clone();
+        async move {
+            let response = service.oneshot(request).await.unwrap();
+            let (parts, body) = response.into_parts();
+            let collected = body.collect().await.unwrap();
+            let trailers = collected.trailers().cloned();
+            let response = Response::from_parts(parts, ());
+            let status = grpc_status(&response, trailers.as_ref());
+            (response, status)
+        }
+    };
+
+    // Transient: released, so each retry executes again.
+    for (status, trailers_only) in [("14", false), ("13", true)] {
+        let key = format!("transient-{status}");
+        let before = calls.load(Ordering::SeqCst);
+        for _ in 0..2 {
+            let (response, got) = send(call(&key, status, trailers_only)).await;
+            assert_eq!(got.as_deref(), Some(status));
+            assert!(response.headers().get("idempotent-replayed").is_none());
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), before + 2, "status {status}");
+    }
+    // A result: recorded once, replayed after.
+    let before = calls.load(Ordering::SeqCst);
+    let (_, first) = send(call("declined", "9", false)).await;
+    let (replay, again) = send(call("declined", "9", false)).await;
+    assert_eq!((first.as_deref(), again.as_deref()), (Some("9"), Some("9")));
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(calls.load(Ordering::SeqCst), before + 1);
+
+    // The layer's own answers: no key is INVALID_ARGUMENT; another body under the same key
+    // is FAILED_PRECONDITION; both trailers-only, HTTP 200.
+    let before = calls.load(Ordering::SeqCst);
+    let (missing, status) = send(call("", "0", false)).await;
+    assert_eq!(missing.status(), StatusCode::OK);
+    assert_eq!(status.as_deref(), Some("3"));
+    assert!(missing.headers()["grpc-message"]
+        .to_str()
+        .unwrap()
+        .starts_with("idempotency_key_required"));
+    let mut other = call("declined", "9", false);
+    *other.body_mut() = http_body_util::Full::from("another call");
+    let (reused, status) = send(other).await;
+    assert_eq!(status.as_deref(), Some("9"));
+    assert!(reused.headers()["grpc-message"]
+        .to_str()
+        .unwrap()
+        .starts_with("idempotency_key_reused_with_different_params"));
+    assert_eq!(calls.load(Ordering::SeqCst), before);
 }
 
 async fn fingerprint_headers_are_part_of_the_parameters(store: Arc<dyn Store>) {
