@@ -25,6 +25,7 @@ use crate::{
     grpc::{Protocol, ResponseHead},
     in_flight::Execution,
     layer::Config,
+    request_body::HandOnBody,
     response::{replay, Rejection},
     store::{self, Claim, Fenced, Store},
     ClaimToken, Fingerprint, Scope, StoredResponse,
@@ -55,10 +56,11 @@ pub(crate) fn run<S, ReqBody, ResBody>(
     (parts, body): (Parts, Bytes),
 ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S: Service<Request<ReqBody::Inner>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqBody: From<Bytes> + Send + 'static,
+    ReqBody: HandOnBody + Send + 'static,
+    ReqBody::Inner: Send + 'static,
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
     ResBody::Error: fmt::Display + Send,
 {
@@ -109,7 +111,7 @@ where
                     principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
                     "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
                 );
-                let request = Request::from_parts(parts, ReqBody::from(body));
+                let request = Request::from_parts(parts, ReqBody::buffered(body));
                 // Boxed: kept in place, this rare path's future would make every request's
                 // future larger.
                 let response = Box::pin(inner.call(request)).await?;
@@ -133,7 +135,7 @@ where
             renewed: Mutex::new(claimed_at),
         };
         // Rebuilt only here: a replay or a rejection never needs the request again.
-        let request = Request::from_parts(parts, ReqBody::from(body));
+        let request = Request::from_parts(parts, ReqBody::buffered(body));
         FinishOnDrop::new(held.execute(inner, fingerprint, request)).await
     }
 }

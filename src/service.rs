@@ -19,6 +19,7 @@ use crate::{
     future::ResponseFuture,
     grpc::Protocol,
     layer::{Config, Endpoint},
+    request_body::HandOnBody,
     response::Rejection,
     store::Store,
     Fingerprint, IdempotencyKey, Scope,
@@ -29,8 +30,10 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Middleware that executes each keyed request once and replays its response to retries.
 /// Made by [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
-/// The inner service gets the request body buffered (`ReqBody::from(bytes)`); requests the
-/// layer does not handle reach it untouched.
+/// The inner service gets a keyed request's body rebuilt from the bytes the layer read,
+/// and the body of every other request untouched, both as the type [`HandOnBody`] names
+/// (the caller's own for axum's body and `Full<Bytes>`, [`RequestBody`](crate::RequestBody)
+/// around hyper's `Incoming`).
 #[derive(Clone)]
 pub struct Idempotency<S> {
     inner: S,
@@ -50,10 +53,11 @@ impl<S> Idempotency<S> {
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S: Service<Request<ReqBody::Inner>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqBody: Body + From<Bytes> + Send + 'static,
+    ReqBody: HandOnBody + Send + 'static,
+    ReqBody::Inner: Send + 'static,
     ReqBody::Data: Send,
     ReqBody::Error: Into<BoxError>,
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
@@ -70,7 +74,7 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let config = &self.config;
         if !config.methods.contains(request.method()) {
-            return ResponseFuture::pass_through(self.inner.call(request));
+            return ResponseFuture::pass_through(self.inner.call(request.map(HandOnBody::pass)));
         }
         let key = match IdempotencyKey::from_header_values(
             request.headers().get_all(&config.header_name),
@@ -80,7 +84,9 @@ where
                 let protocol = Protocol::of(request.headers());
                 return ResponseFuture::answered(Rejection::KeyRequired.into_response(protocol));
             }
-            Ok(None) => return ResponseFuture::pass_through(self.inner.call(request)),
+            Ok(None) => {
+                return ResponseFuture::pass_through(self.inner.call(request.map(HandOnBody::pass)))
+            }
             Err(_) => {
                 let protocol = Protocol::of(request.headers());
                 return ResponseFuture::answered(Rejection::InvalidKey.into_response(protocol));
@@ -113,10 +119,11 @@ fn keyed<S, ReqBody, ResBody>(
     (parts, body): (Parts, ReqBody),
 ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S: Service<Request<ReqBody::Inner>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    ReqBody: Body + From<Bytes> + Send + 'static,
+    ReqBody: HandOnBody + Send + 'static,
+    ReqBody::Inner: Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
     ResBody::Error: fmt::Display + Send,
@@ -128,7 +135,8 @@ where
         };
         let scope = scope(&config, &parts, key);
         let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
-        execute::run(inner, store, config, scope, fingerprint, (parts, body)).await
+        execute::run::<S, ReqBody, ResBody>(inner, store, config, scope, fingerprint, (parts, body))
+            .await
     }
 }
 

@@ -739,7 +739,7 @@ async fn hop_by_hop_headers_and_date_are_not_replayed(store: Arc<dyn Store>) {
     let request = || {
         Request::post("/h")
             .header("idempotency-key", "hop")
-            .body(Default::default())
+            .body(http_body_util::Full::default())
             .unwrap()
     };
     let first = read(service.clone().oneshot(request()).await.unwrap()).await;
