@@ -24,6 +24,8 @@ pin_project! {
         prefix: Option<Bytes>,
         #[pin]
         rest: Option<B>,
+        // The rest of a body read in part (boxed to be read in place).
+        spilled: Option<Pin<Box<B>>>,
         trailers: Option<HeaderMap>,
     }
 }
@@ -33,6 +35,7 @@ impl<B> ResponseBody<B> {
         Self {
             prefix: None,
             rest: Some(body),
+            spilled: None,
             trailers: None,
         }
     }
@@ -42,6 +45,7 @@ impl<B> ResponseBody<B> {
         Self {
             prefix: Some(bytes.into()),
             rest: None,
+            spilled: None,
             trailers: None,
         }
     }
@@ -51,14 +55,16 @@ impl<B> ResponseBody<B> {
         Self {
             prefix: Some(bytes.into()),
             rest: None,
+            spilled: None,
             trailers: (!trailers.is_empty()).then_some(trailers),
         }
     }
 
-    pub(crate) fn spliced(prefix: Bytes, rest: B) -> Self {
+    pub(crate) fn spliced(prefix: Bytes, rest: Pin<Box<B>>) -> Self {
         Self {
             prefix: Some(prefix),
-            rest: Some(rest),
+            rest: None,
+            spilled: Some(rest),
             trailers: None,
         }
     }
@@ -79,24 +85,32 @@ where
         if let Some(prefix) = this.prefix.take().filter(|p| !p.is_empty()) {
             return Poll::Ready(Some(Ok(Frame::data(prefix))));
         }
-        match this.rest.as_pin_mut() {
-            Some(rest) => rest.poll_frame(cx),
-            None => Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t)))),
+        if let Some(rest) = this.rest.as_pin_mut() {
+            return rest.poll_frame(cx);
         }
+        if let Some(spilled) = this.spilled {
+            return spilled.as_mut().poll_frame(cx);
+        }
+        Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))))
     }
 
     fn is_end_stream(&self) -> bool {
         self.prefix.as_ref().is_none_or(Bytes::is_empty)
             && self.rest.as_ref().is_none_or(Body::is_end_stream)
+            && self
+                .spilled
+                .as_ref()
+                .is_none_or(|rest| rest.is_end_stream())
             && self.trailers.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
         let prefix = self.prefix.as_ref().map_or(0, |p| p.len() as u64);
-        let rest = self
-            .rest
-            .as_ref()
-            .map_or(SizeHint::with_exact(0), Body::size_hint);
+        let rest = match (&self.rest, &self.spilled) {
+            (Some(rest), _) => rest.size_hint(),
+            (None, Some(spilled)) => spilled.size_hint(),
+            (None, None) => SizeHint::with_exact(0),
+        };
         let mut hint = SizeHint::new();
         // Upper first: set_lower asserts it stays at or below the upper bound.
         if let Some(upper) = rest.upper() {
@@ -116,7 +130,7 @@ mod tests {
     async fn spliced_body_yields_prefix_then_rest() {
         let body = ResponseBody::spliced(
             Bytes::from_static(b"ab"),
-            Full::new(Bytes::from_static(b"cd")),
+            Box::pin(Full::new(Bytes::from_static(b"cd"))),
         );
         assert_eq!(body.size_hint().exact(), Some(4));
         assert_eq!(body.collect().await.unwrap().to_bytes(), "abcd");

@@ -61,7 +61,7 @@ where
     S::Error: Send + 'static,
     ReqBody: HandOnBody + Send + 'static,
     ReqBody::Inner: Send + 'static,
-    ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: fmt::Display + Send,
 {
     async move {
@@ -276,7 +276,7 @@ impl Held {
     ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
     where
         S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-        ResBody: Body<Data = Bytes> + Unpin,
+        ResBody: Body<Data = Bytes>,
         ResBody::Error: fmt::Display,
     {
         let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
@@ -404,7 +404,7 @@ impl Held {
         response: Response<B>,
     ) -> Response<ResponseBody<B>>
     where
-        B: Body<Data = Bytes> + Unpin,
+        B: Body<Data = Bytes>,
         B::Error: fmt::Display,
     {
         let (parts, body) = response.into_parts();
@@ -470,14 +470,17 @@ impl Held {
 
 enum Buffered<B: Body> {
     Whole { body: Bytes, trailers: HeaderMap },
-    TooLarge { prefix: Bytes, rest: B },
+    TooLarge { prefix: Bytes, rest: Pin<Box<B>> },
     Failed(B::Error),
 }
 
-async fn buffer_response<B>(mut body: B, limit: usize) -> Buffered<B>
+/// Reads `body` up to `limit` bytes. Boxed, so that a body that is not `Unpin` can be read
+/// in place and still handed on whole when it turns out too large.
+async fn buffer_response<B>(body: B, limit: usize) -> Buffered<B>
 where
-    B: Body<Data = Bytes> + Unpin,
+    B: Body<Data = Bytes>,
 {
+    let mut body = Box::pin(body);
     if body.size_hint().lower() > limit as u64 {
         return Buffered::TooLarge {
             prefix: Bytes::new(),

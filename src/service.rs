@@ -60,7 +60,7 @@ where
     ReqBody::Inner: Send + 'static,
     ReqBody::Data: Send,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: fmt::Display + Send,
 {
     type Response = Response<ResponseBody<ResBody>>;
@@ -125,7 +125,7 @@ where
     ReqBody: HandOnBody + Send + 'static,
     ReqBody::Inner: Send + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: fmt::Display + Send,
 {
     async move {

@@ -1004,3 +1004,48 @@ async fn fingerprint_headers_are_part_of_the_parameters(store: Arc<dyn Store>) {
             .replayed()
     );
 }
+
+/// A response body that is not `Unpin` (a stream built from an `async` state machine) is
+/// recorded and replayed when it fits, and streamed on whole when it does not.
+#[tokio::test]
+async fn response_bodies_need_not_be_unpin() {
+    fn chunks(count: u8) -> impl http_body::Body<Data = Bytes, Error = std::convert::Infallible> {
+        let stream = futures_util::stream::unfold(0u8, move |n| async move {
+            tokio::task::yield_now().await;
+            (n < count).then(|| (Ok(http_body::Frame::data(Bytes::from(vec![n; 100]))), n + 1))
+        });
+        http_body_util::StreamBody::new(stream)
+    }
+    let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let service = tower::service_fn({
+        let calls = calls.clone();
+        move |request: Request<http_body_util::Full<Bytes>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let count: u8 = request.uri().path()[1..].parse().unwrap();
+            async move { Ok::<_, std::convert::Infallible>(Response::new(chunks(count))) }
+        }
+    });
+    let service = tower::ServiceBuilder::new()
+        .layer(layer(&store).max_response_body(500))
+        .service(service);
+    let request = |count: u8| {
+        Request::post(format!("/{count}"))
+            .header("idempotency-key", format!("stream-{count}"))
+            .body(http_body_util::Full::default())
+            .unwrap()
+    };
+    // Fits: recorded, then replayed byte for byte.
+    let first = read(service.clone().oneshot(request(3)).await.unwrap()).await;
+    assert_eq!(first.body.len(), 300);
+    let retry = read(service.clone().oneshot(request(3)).await.unwrap()).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    // Too large: the first client still gets all of it, in order.
+    let large = read(service.clone().oneshot(request(9)).await.unwrap()).await;
+    let expected: Vec<u8> = (0..9u8).flat_map(|n| vec![n; 100]).collect();
+    assert_eq!(large.body, expected);
+    let after = read(service.oneshot(request(9)).await.unwrap()).await;
+    assert_eq!(after.status, StatusCode::CONFLICT);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
