@@ -26,7 +26,8 @@ pin_project! {
         rest: Option<B>,
         // The rest of a body read in part (boxed to be read in place).
         spilled: Option<Pin<Box<B>>>,
-        trailers: Option<HeaderMap>,
+        // Boxed: rare outside gRPC, and every response moves this struct several times.
+        trailers: Option<Box<HeaderMap>>,
     }
 }
 
@@ -56,7 +57,7 @@ impl<B> ResponseBody<B> {
             prefix: Some(bytes.into()),
             rest: None,
             spilled: None,
-            trailers: (!trailers.is_empty()).then_some(trailers),
+            trailers: (!trailers.is_empty()).then(|| Box::new(trailers)),
         }
     }
 
@@ -91,7 +92,7 @@ where
         if let Some(spilled) = this.spilled {
             return spilled.as_mut().poll_frame(cx);
         }
-        Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))))
+        Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(*t))))
     }
 
     fn is_end_stream(&self) -> bool {

@@ -65,10 +65,9 @@ where
     ResBody::Error: fmt::Display + Send,
 {
     async move {
-        let protocol = Protocol::of(&parts.headers);
+        // Read only where the layer answers by itself: a replay never needs it.
+        let protocol = || Protocol::of(&parts.headers);
         let token = ClaimToken::unique();
-        // The lease the store gives the claim starts no earlier than the claim leaves.
-        let claimed_at = Instant::now();
         let claim = {
             let abandoned = AbandonedClaim::arm(&store, &config, &scope, token);
             let claim = store
@@ -95,7 +94,7 @@ where
                     ..
                 },
             ) if theirs != fingerprint => {
-                return Ok(Rejection::ReusedWithDifferentParams.into_response(protocol));
+                return Ok(Rejection::ReusedWithDifferentParams.into_response(protocol()));
             }
             Ok(Claim::Completed { response, .. }) => return Ok(replay(response)),
             Ok(Claim::InProgress {
@@ -104,7 +103,7 @@ where
                 return Ok(Rejection::InProgress {
                     retry_after: lease_remaining,
                 }
-                .into_response(protocol));
+                .into_response(protocol()));
             }
             Err(error) if config.fail_open => {
                 tracing::error!(
@@ -122,16 +121,20 @@ where
                     principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
                     "idempotency store unavailable: refusing the request (fail-closed)"
                 );
-                return Ok(Rejection::StoreUnavailable.into_response(protocol));
+                return Ok(Rejection::StoreUnavailable.into_response(protocol()));
             }
         }
+        // Read once claimed, so that a replay pays nothing for it: the lease began a round
+        // trip earlier, which only lets a write be retried a little past it, where the
+        // fence refuses it anyway.
+        let claimed_at = Instant::now();
         let held = Held {
             _in_flight: config.in_flight.enter(),
             store,
             config,
             scope,
             token,
-            protocol,
+            protocol: protocol(),
             renewed: Mutex::new(claimed_at),
         };
         // Rebuilt only here: a replay or a rejection never needs the request again.
