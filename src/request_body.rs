@@ -15,7 +15,7 @@ use pin_project_lite::pin_project;
 /// fingerprint a keyed request.
 ///
 /// Bodies that can be rebuilt from bytes hand on their own type: axum's
-/// [`Body`](axum::body::Body) and [`Full<Bytes>`]. A body that cannot, such as hyper's
+/// [`Body`](axum::body::Body), tonic's (feature `tonic`) and [`Full<Bytes>`]. A body that cannot, such as hyper's
 /// `Incoming` (feature `hyper`), hands on [`RequestBody`] around it, so the inner service
 /// takes `Request<RequestBody<Incoming>>`.
 pub trait HandOnBody: Body + Sized {
@@ -65,6 +65,20 @@ impl HandOnBody for hyper::body::Incoming {
 
     fn buffered(bytes: Bytes) -> RequestBody<Self> {
         RequestBody::buffered(bytes)
+    }
+}
+
+#[cfg(feature = "tonic")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
+impl HandOnBody for tonic::body::Body {
+    type Inner = Self;
+
+    fn pass(self) -> Self {
+        self
+    }
+
+    fn buffered(bytes: Bytes) -> Self {
+        Self::new(Full::new(bytes))
     }
 }
 
