@@ -3,122 +3,38 @@
 //! message bytes; transient statuses release the key; the layer's own answers are gRPC
 //! statuses.
 
-use std::{
-    convert::Infallible,
-    future::Future,
-    pin::Pin,
-    sync::{
-        atomic::{AtomicUsize, Ordering},
-        Arc,
-    },
-    task::{Context, Poll},
-    time::Duration,
-};
+#[macro_use]
+mod support;
+#[path = "../examples/grpc_payments/service.rs"]
+mod service;
+
+use std::{sync::Arc, time::Duration};
 
 use http::uri::PathAndQuery;
+use service::{ChargeRequest, Payment, Payments, Stats, StatsRequest, CHARGE, STATS};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{
-    body::Body,
-    codegen::{http, Service},
     metadata::MetadataValue,
-    server::{Grpc, NamedService, UnaryService},
     transport::{Channel, Server},
     Code, Request, Response, Status,
 };
 use tonic_prost::ProstCodec;
-use tower_idempotency::{IdempotencyLayer, MemoryStore};
+use tower_idempotency::{IdempotencyLayer, Store};
 
-#[derive(Clone, PartialEq, prost::Message)]
-struct ChargeRequest {
-    #[prost(int64, tag = "1")]
-    amount: i64,
-    #[prost(string, tag = "2")]
-    currency: String,
-    #[prost(string, tag = "3")]
-    simulate: String,
-    #[prost(int64, tag = "4")]
-    delay_ms: i64,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct Payment {
-    #[prost(string, tag = "1")]
-    id: String,
-    #[prost(int64, tag = "2")]
-    amount: i64,
-    #[prost(string, tag = "3")]
-    currency: String,
-    #[prost(string, tag = "4")]
-    status: String,
-}
-
-const CHARGE: &str = "/payments.v1.Payments/Charge";
-
-/// `payments.v1.Payments`, written as tonic's generated code would be.
-#[derive(Clone, Default)]
-struct Payments {
-    charges: Arc<AtomicUsize>,
-}
-
-impl NamedService for Payments {
-    const NAME: &'static str = "payments.v1.Payments";
-}
-
-struct Charge(Payments);
-
-impl UnaryService<ChargeRequest> for Charge {
-    type Response = Payment;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Payment>, Status>> + Send>>;
-
-    fn call(&mut self, request: Request<ChargeRequest>) -> Self::Future {
-        let charges = self.0.charges.clone();
-        Box::pin(async move {
-            let charge = request.into_inner();
-            if charge.delay_ms > 0 {
-                tokio::time::sleep(Duration::from_millis(charge.delay_ms as u64)).await;
-            }
-            let n = charges.fetch_add(1, Ordering::SeqCst) + 1;
-            match charge.simulate.as_str() {
-                "decline" => Err(Status::failed_precondition("card_declined")),
-                "error" => Err(Status::internal("processor failed")),
-                _ => Ok(Response::new(Payment {
-                    id: format!("pay_{n}"),
-                    amount: charge.amount,
-                    currency: charge.currency,
-                    status: "succeeded".to_owned(),
-                })),
-            }
-        })
-    }
-}
-
-impl Service<http::Request<Body>> for Payments {
-    type Response = http::Response<Body>;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let payments = self.clone();
-        Box::pin(async move {
-            if request.uri().path() == CHARGE {
-                let mut grpc = Grpc::new(ProstCodec::<Payment, ChargeRequest>::default());
-                return Ok(grpc.unary(Charge(payments), request).await);
-            }
-            Ok(Status::unimplemented("no such method").into_http())
-        })
-    }
-}
+for_each_store!(
+    a_charge_runs_once_and_replays_over_grpc,
+    a_decline_is_a_result_and_an_internal_error_is_released,
+    the_layers_own_answers_are_grpc_statuses,
+);
 
 /// Serves the service behind the layer on a free port; returns a client channel.
-async fn serve(payments: Payments) -> Channel {
+async fn serve(store: Arc<dyn Store>, payments: Payments) -> Channel {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let layer = IdempotencyLayer::new(MemoryStore::new()).required();
+    let layer = IdempotencyLayer::from_shared(store)
+        .required()
+        .principal(service::bearer_user);
     tokio::spawn(async move {
         Server::builder()
             .layer(layer)
@@ -171,27 +87,46 @@ fn replayed<T>(response: &Response<T>) -> bool {
     response.metadata().get("idempotent-replayed").is_some()
 }
 
-#[tokio::test]
-async fn a_charge_runs_once_and_replays_over_grpc() {
+/// `Stats`: executions, never replays (not keyed, so outside the layer's protection).
+async fn charges_executed(channel: &Channel) -> i64 {
+    let mut grpc = tonic::client::Grpc::new(channel.clone());
+    grpc.ready().await.unwrap();
+    let mut request = Request::new(StatsRequest {});
+    request.metadata_mut().insert(
+        "idempotency-key",
+        MetadataValue::try_from(support::payments::fresh_key()).unwrap(),
+    );
+    let stats = grpc
+        .unary(
+            request,
+            PathAndQuery::from_static(STATS),
+            ProstCodec::<StatsRequest, Stats>::default(),
+        )
+        .await
+        .unwrap();
+    stats.into_inner().charges_executed
+}
+
+async fn a_charge_runs_once_and_replays_over_grpc(store: Arc<dyn Store>) {
     let payments = Payments::default();
-    let channel = serve(payments.clone()).await;
+    let channel = serve(store, payments.clone()).await;
     let first = charge(&channel, Some("k1"), request(1000, "", 0))
         .await
         .unwrap();
     assert!(!replayed(&first));
-    assert_eq!(first.get_ref().id, "pay_1");
+    assert!(first.get_ref().id.starts_with("pay_"));
     let retry = charge(&channel, Some("k1"), request(1000, "", 0))
         .await
         .unwrap();
     assert!(replayed(&retry), "the retry is marked as a replay");
     assert_eq!(retry.get_ref(), first.get_ref());
-    assert_eq!(payments.charges.load(Ordering::SeqCst), 1);
+    assert_eq!(payments.charges_executed(), 1);
+    assert_eq!(charges_executed(&channel).await, 1);
 }
 
-#[tokio::test]
-async fn a_decline_is_a_result_and_an_internal_error_is_released() {
+async fn a_decline_is_a_result_and_an_internal_error_is_released(store: Arc<dyn Store>) {
     let payments = Payments::default();
-    let channel = serve(payments.clone()).await;
+    let channel = serve(store, payments.clone()).await;
     for _ in 0..2 {
         let declined = charge(&channel, Some("d"), request(5, "decline", 0))
             .await
@@ -199,28 +134,19 @@ async fn a_decline_is_a_result_and_an_internal_error_is_released() {
         assert_eq!(declined.code(), Code::FailedPrecondition);
         assert_eq!(declined.message(), "card_declined");
     }
-    assert_eq!(
-        payments.charges.load(Ordering::SeqCst),
-        1,
-        "the decline replays"
-    );
+    assert_eq!(payments.charges_executed(), 1, "the decline replays");
     for _ in 0..2 {
         let failed = charge(&channel, Some("e"), request(5, "error", 0))
             .await
             .unwrap_err();
         assert_eq!(failed.code(), Code::Internal);
     }
-    assert_eq!(
-        payments.charges.load(Ordering::SeqCst),
-        3,
-        "INTERNAL released the key"
-    );
+    assert_eq!(payments.charges_executed(), 3, "INTERNAL released the key");
 }
 
-#[tokio::test]
-async fn the_layers_own_answers_are_grpc_statuses() {
+async fn the_layers_own_answers_are_grpc_statuses(store: Arc<dyn Store>) {
     let payments = Payments::default();
-    let channel = serve(payments.clone()).await;
+    let channel = serve(store, payments.clone()).await;
     let missing = charge(&channel, None, request(1, "", 0)).await.unwrap_err();
     assert_eq!(missing.code(), Code::InvalidArgument);
     assert!(missing.message().starts_with("idempotency_key_required"));
@@ -245,5 +171,76 @@ async fn the_layers_own_answers_are_grpc_statuses() {
     assert!(reused
         .message()
         .starts_with("idempotency_key_reused_with_different_params"));
-    assert_eq!(payments.charges.load(Ordering::SeqCst), 1);
+    assert_eq!(payments.charges_executed(), 1);
+}
+
+/// The `grpc_payments` example as a process of its own, on the shared Redis: a charge runs
+/// once across two instances, `Stats` needs no key, and a call without a key is refused.
+#[tokio::test]
+async fn the_grpc_payments_example_keeps_its_contract() {
+    let binary = support::payments::build_example("grpc_payments");
+    let start = |port: u16| {
+        let child = std::process::Command::new(&binary)
+            .env("GRPC_ADDR", format!("127.0.0.1:{port}"))
+            .env("REDIS_URL", support::redis_url())
+            .env_remove("REDIS_CLUSTER_URLS")
+            .env_remove("REDIS_SENTINEL_URLS")
+            .env_remove("DATABASE_URL")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start the grpc_payments example");
+        KillOnDrop(child)
+    };
+    let free_port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (a, b) = (free_port(), free_port());
+    let _first = start(a);
+    let _second = start(b);
+    let connect = |port: u16| async move {
+        for _ in 0..200 {
+            let endpoint = Channel::from_shared(format!("http://127.0.0.1:{port}")).unwrap();
+            if let Ok(channel) = endpoint.connect().await {
+                return channel;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("grpc_payments on port {port} never answered");
+    };
+    let (one, two) = (connect(a).await, connect(b).await);
+    let key = support::payments::fresh_key();
+    let first = charge(&one, Some(&key), request(700, "", 0)).await.unwrap();
+    let retry = charge(&two, Some(&key), request(700, "", 0)).await.unwrap();
+    assert!(replayed(&retry));
+    assert_eq!(retry.get_ref(), first.get_ref());
+    let missing = charge(&one, None, request(1, "", 0)).await.unwrap_err();
+    assert_eq!(missing.code(), Code::InvalidArgument);
+    let stats = |channel: Channel| async move {
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.unwrap();
+        let reply = grpc
+            .unary(
+                Request::new(StatsRequest {}),
+                PathAndQuery::from_static(STATS),
+                ProstCodec::<StatsRequest, Stats>::default(),
+            )
+            .await
+            .unwrap();
+        reply.into_inner().charges_executed
+    };
+    assert_eq!(stats(one).await + stats(two).await, 1);
+}
+
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

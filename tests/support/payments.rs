@@ -445,43 +445,47 @@ impl Drop for ExampleProcess {
 /// builds would overwrite each other and relink the example on every run.
 pub fn example_binary() -> &'static Path {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY.get_or_init(|| {
-        let exe = std::env::current_exe().expect("test binary path");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("target/<profile>/deps/<test>");
-        let profile = match profile_dir.file_name().and_then(|name| name.to_str()) {
-            Some("debug") => "dev",
-            Some(name) => name,
-            None => panic!("no profile directory in {}", exe.display()),
-        };
-        let target_dir = profile_dir.parent().expect("target directory");
-        let features = test_features().join(",");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let output = Command::new(cargo)
-            .args(["build", "--example", "payments", "--profile", profile])
-            .args(["--no-default-features", "--features", &features])
-            .args([
-                "--manifest-path",
-                concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
-            ])
-            .arg("--target-dir")
-            .arg(target_dir)
-            .output()
-            .expect("run cargo");
-        assert!(
-            output.status.success(),
-            "cargo build --example payments --features {features:?}: {}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let binary = profile_dir
-            .join("examples")
-            .join(format!("payments{}", std::env::consts::EXE_SUFFIX));
-        assert!(binary.is_file(), "{} is missing", binary.display());
-        binary
-    })
+    BINARY.get_or_init(|| build_example("payments"))
+}
+
+/// Builds example `name` with this test's features (see [`example_binary`]) and returns
+/// the path of its binary.
+pub fn build_example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
+    let profile = match profile_dir.file_name().and_then(|name| name.to_str()) {
+        Some("debug") => "dev",
+        Some(name) => name,
+        None => panic!("no profile directory in {}", exe.display()),
+    };
+    let target_dir = profile_dir.parent().expect("target directory");
+    let features = test_features().join(",");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let output = Command::new(cargo)
+        .args(["build", "--example", name, "--profile", profile])
+        .args(["--no-default-features", "--features", &features])
+        .args([
+            "--manifest-path",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+        ])
+        .arg("--target-dir")
+        .arg(target_dir)
+        .output()
+        .expect("run cargo");
+    assert!(
+        output.status.success(),
+        "cargo build --example {name} --features {features:?}: {}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let binary = profile_dir
+        .join("examples")
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    assert!(binary.is_file(), "{} is missing", binary.display());
+    binary
 }
 
 /// The crate features this test was built with. `default` counts: `--all-features` turns it
@@ -493,6 +497,8 @@ fn test_features() -> Vec<&'static str> {
         ("redis", cfg!(feature = "redis")),
         ("postgres", cfg!(feature = "postgres")),
         ("axum", cfg!(feature = "axum")),
+        ("hyper", cfg!(feature = "hyper")),
+        ("tonic", cfg!(feature = "tonic")),
     ]
     .into_iter()
     .filter_map(|(feature, enabled)| enabled.then_some(feature))

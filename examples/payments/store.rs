@@ -1,0 +1,113 @@
+//! The store the examples run on, chosen by environment variables, and their logging
+//! (shared by `payments` and `grpc_payments`).
+
+use std::{sync::Arc, time::Duration};
+
+use tower_idempotency::{store::CachedStore, MemoryStore, Store};
+
+/// The store the environment names: a Redis Cluster, a Sentinel-managed primary, one
+/// Redis, PostgreSQL, else memory; a local cache of completed records in front of a shared
+/// one.
+pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
+    let cache_records = match std::env::var("IDEMPOTENCY_CACHE_RECORDS") {
+        Ok(value) => value
+            .parse::<usize>()
+            .map_err(|_| format!("IDEMPOTENCY_CACHE_RECORDS={value} is not a count"))?,
+        Err(_) => 100_000,
+    };
+    // Replays of records this process has read once need no round trip to a shared store.
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres")),
+        allow(unused_variables)
+    )]
+    let shared = |store: Arc<dyn Store>| -> Arc<dyn Store> {
+        match cache_records {
+            0 => store,
+            records => Arc::new(CachedStore::new(store, records)),
+        }
+    };
+    #[cfg(feature = "redis")]
+    if let Some(redis) = redis_store().await? {
+        return Ok(shared(Arc::new(redis)));
+    }
+    #[cfg(not(feature = "redis"))]
+    for name in ["REDIS_URL", "REDIS_CLUSTER_URLS", "REDIS_SENTINEL_URLS"] {
+        if std::env::var(name).is_ok() {
+            return Err(format!("{name} is set, but this build has no `redis` feature").into());
+        }
+    }
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        #[cfg(feature = "postgres")]
+        {
+            let store = tower_idempotency::PostgresStore::connect(&url).await?;
+            store.migrate().await?;
+            store.spawn_purge(Duration::from_secs(3600));
+            return Ok(shared(Arc::new(store)));
+        }
+        #[cfg(not(feature = "postgres"))]
+        tracing::warn!(%url, "DATABASE_URL is set, but this build has no `postgres` feature: using memory");
+    }
+    Ok(Arc::new(MemoryStore::new()))
+}
+
+/// The Redis store the environment names, if any: a cluster, a Sentinel-managed primary or
+/// one server.
+#[cfg(feature = "redis")]
+async fn redis_store() -> Result<Option<tower_idempotency::RedisStore>, Box<dyn std::error::Error>>
+{
+    use tower_idempotency::RedisStore;
+    let list = |value: String| -> Vec<String> {
+        value
+            .split(',')
+            .map(str::trim)
+            .filter(|url| !url.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    let store = if let Ok(urls) = std::env::var("REDIS_CLUSTER_URLS") {
+        RedisStore::cluster(list(urls)).await?
+    } else if let Ok(urls) = std::env::var("REDIS_SENTINEL_URLS") {
+        let master = std::env::var("REDIS_SENTINEL_MASTER")
+            .map_err(|_| "REDIS_SENTINEL_URLS is set without REDIS_SENTINEL_MASTER")?;
+        RedisStore::sentinel(list(urls), &master).await?
+    } else if let Ok(url) = std::env::var("REDIS_URL") {
+        RedisStore::open(&url).await?
+    } else {
+        return Ok(None);
+    };
+    let replicas = match std::env::var("IDEMPOTENCY_REPLICAS") {
+        Ok(value) => value
+            .parse::<u32>()
+            .map_err(|_| format!("IDEMPOTENCY_REPLICAS={value} is not a count"))?,
+        Err(_) => 0,
+    };
+    let timeout = match std::env::var("IDEMPOTENCY_REPLICAS_TIMEOUT_MS") {
+        Ok(value) => value
+            .parse::<u64>()
+            .map(Duration::from_millis)
+            .map_err(|_| format!("IDEMPOTENCY_REPLICAS_TIMEOUT_MS={value} is not milliseconds"))?,
+        Err(_) => Duration::from_secs(1),
+    };
+    Ok(Some(store.replicas(replicas, timeout)))
+}
+
+/// A whole number of seconds from environment variable `name`, if set.
+pub fn env_secs(name: &str) -> Result<Option<Duration>, String> {
+    match std::env::var(name) {
+        Ok(value) => value
+            .parse::<u64>()
+            .map(|secs| Some(Duration::from_secs(secs)))
+            .map_err(|_| format!("{name}={value} is not a whole number of seconds")),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Logs to standard error, filtered by `RUST_LOG` (default: `info`).
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,tower_idempotency=info".into()),
+        )
+        .init();
+}
