@@ -2,6 +2,9 @@
 //! hyper's `Incoming`, which cannot be rebuilt once read, so the inner service takes
 //! `RequestBody<Incoming>`. Over real HTTP/1.1 and HTTP/2 connections.
 
+#[macro_use]
+mod support;
+
 use std::{
     convert::Infallible,
     sync::{
@@ -117,4 +120,39 @@ async fn an_incoming_service_over_http1_executes_once() {
 #[tokio::test]
 async fn an_incoming_service_over_http2_executes_once() {
     exchange(true).await;
+}
+
+/// The `payments` example speaks HTTP/2 (prior knowledge) as well as HTTP/1.1: a payment
+/// over HTTP/2 runs once and replays byte for byte.
+#[tokio::test]
+async fn the_payments_example_answers_over_http2() {
+    let example = support::payments::ExampleProcess::start(&[]).await;
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let pay = || {
+        let request = Request::post(format!("http://{}/v1/payments", example.addr()))
+            .header("idempotency-key", "h2-payment")
+            .header("authorization", "Bearer alice")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(
+                br#"{"amount":1200,"currency":"usd"}"#,
+            )))
+            .unwrap();
+        let client = client.clone();
+        async move {
+            let response = client.request(request).await.unwrap();
+            assert_eq!(response.version(), http::Version::HTTP_2);
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let status = response.status();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (status, replayed, body)
+        }
+    };
+    let first = pay().await;
+    assert_eq!((first.0, first.1), (StatusCode::CREATED, false));
+    let retry = pay().await;
+    assert_eq!((retry.0, retry.1), (StatusCode::CREATED, true));
+    assert_eq!(retry.2, first.2);
+    assert_eq!(example.api().stats().await.payments_executed, 1);
 }
