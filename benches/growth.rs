@@ -41,7 +41,7 @@ fn response(body_len: usize) -> StoredResponse {
         status: StatusCode::CREATED,
         headers,
         body: Bytes::from(vec![b'x'; body_len]),
-        trailers: http::HeaderMap::new(),
+        trailers: None,
     }
 }
 

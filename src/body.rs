@@ -51,13 +51,15 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    /// A body of `bytes` followed by `trailers` (none when empty).
-    pub fn with_trailers(bytes: impl Into<Bytes>, trailers: HeaderMap) -> Self {
+    /// A body of `bytes` followed by `trailers` (none when `None` or empty).
+    pub fn with_trailers(bytes: impl Into<Bytes>, trailers: Option<HeaderMap>) -> Self {
         Self {
             prefix: Some(bytes.into()),
             rest: None,
             spilled: None,
-            trailers: (!trailers.is_empty()).then(|| Box::new(trailers)),
+            trailers: trailers
+                .filter(|trailers| !trailers.is_empty())
+                .map(Box::new),
         }
     }
 
@@ -144,11 +146,11 @@ mod tests {
     async fn a_buffered_body_ends_with_its_trailers() {
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", "0".parse().unwrap());
-        let body = ResponseBody::<Full<Bytes>>::with_trailers("x", trailers.clone());
+        let body = ResponseBody::<Full<Bytes>>::with_trailers("x", Some(trailers.clone()));
         let collected = body.collect().await.unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));
         assert_eq!(collected.to_bytes(), "x");
-        let empty = ResponseBody::<Full<Bytes>>::with_trailers("", HeaderMap::new());
+        let empty = ResponseBody::<Full<Bytes>>::with_trailers("", Some(HeaderMap::new()));
         assert!(empty.is_end_stream());
     }
 }

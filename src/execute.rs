@@ -413,8 +413,7 @@ impl Held {
         let (parts, body) = response.into_parts();
         let (stored, body) = match buffer_response(body, self.config.max_response_body).await {
             Buffered::Whole { body, trailers } => {
-                let head = ResponseHead::new(parts.status, &parts.headers, &trailers);
-                if (self.config.release_when)(&head) {
+                if self.releases(&parts, trailers.as_ref()) {
                     self.release("the response releases the key").await;
                     let body = ResponseBody::with_trailers(body, trailers);
                     return Response::from_parts(parts, body);
@@ -463,6 +462,27 @@ impl Held {
         Response::from_parts(parts, body)
     }
 
+    /// Whether a whole response releases the key: the layer's `release_when`, or by default
+    /// a transient gRPC status, looked for only on gRPC requests (a plain HTTP response
+    /// pays nothing for it).
+    fn releases(&self, parts: &http::response::Parts, trailers: Option<&HeaderMap>) -> bool {
+        let judge = |judge: &dyn Fn(&ResponseHead<'_>) -> bool| {
+            let none = HeaderMap::new();
+            judge(&ResponseHead::new(
+                parts.status,
+                &parts.headers,
+                trailers.unwrap_or(&none),
+            ))
+        };
+        match &self.config.release_when {
+            Some(release_when) => judge(release_when.as_ref()),
+            None => {
+                self.protocol == Protocol::Grpc
+                    && judge(&|head: &ResponseHead<'_>| head.is_transient_grpc_status())
+            }
+        }
+    }
+
     fn warn(&self, message: &str) {
         tracing::warn!(
             principal = self.scope.principal(), endpoint = self.scope.endpoint(),
@@ -472,8 +492,14 @@ impl Held {
 }
 
 enum Buffered<B: Body> {
-    Whole { body: Bytes, trailers: HeaderMap },
-    TooLarge { prefix: Bytes, rest: Pin<Box<B>> },
+    Whole {
+        body: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    TooLarge {
+        prefix: Bytes,
+        rest: Pin<Box<B>>,
+    },
     Failed(B::Error),
 }
 
@@ -492,7 +518,7 @@ where
     }
     // Most bodies are one frame: keep it without copying.
     let mut first: Option<Bytes> = None;
-    let mut trailers = HeaderMap::new();
+    let mut trailers: Option<HeaderMap> = None;
     let mut more = BytesMut::new();
     let mut len = 0;
     while let Some(frame) = body.frame().await {
@@ -501,7 +527,7 @@ where
                 Ok(data) => data,
                 Err(frame) => {
                     if let Ok(more) = frame.into_trailers() {
-                        trailers.extend(more);
+                        trailers.get_or_insert_with(HeaderMap::new).extend(more);
                     }
                     continue;
                 }
@@ -619,7 +645,7 @@ mod tests {
         match buffer_response(Full::new(Bytes::from_static(b"abc")), 3).await {
             Buffered::Whole { body, trailers } => {
                 assert_eq!(body, "abc");
-                assert!(trailers.is_empty());
+                assert!(trailers.is_none());
             }
             _ => panic!("expected Whole"),
         }

@@ -49,13 +49,17 @@ pub(crate) struct Config {
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) release_on: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
-    pub(crate) release_when: Arc<dyn Fn(&ResponseHead<'_>) -> bool + Send + Sync>,
+    /// `None`: the default, transient gRPC statuses, looked for on gRPC requests only.
+    pub(crate) release_when: Option<ReleaseWhen>,
     pub(crate) fail_open: bool,
     pub(crate) principal: BoxedPrincipal,
     pub(crate) endpoint: Endpoint,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) in_flight: InFlight,
 }
+
+/// A judge of whole responses, set by [`IdempotencyLayer::release_when`].
+pub(crate) type ReleaseWhen = Arc<dyn Fn(&ResponseHead<'_>) -> bool + Send + Sync>;
 
 /// How a request names its endpoint, the middle part of a key's scope.
 #[derive(Clone, Debug)]
@@ -77,7 +81,7 @@ impl Default for Config {
             max_request_body: 1024 * 1024,
             max_response_body: 1024 * 1024,
             release_on: Arc::new(|status: StatusCode| status.is_server_error()),
-            release_when: Arc::new(|head: &ResponseHead<'_>| head.is_transient_grpc_status()),
+            release_when: None,
             fail_open: false,
             principal: BoxedPrincipal(Arc::new(DefaultPrincipal)),
             endpoint: Endpoint::MethodAndPath,
@@ -261,8 +265,9 @@ impl IdempotencyLayer {
     /// headers and trailers in view: for statuses that live beyond the HTTP status line.
     /// Checked after [`release_on`](Self::release_on), for responses it lets through.
     /// Default: the transient gRPC statuses
-    /// ([`ResponseHead::is_transient_grpc_status`]); a replacement that should keep them
-    /// calls it too. A released response still reaches its client.
+    /// ([`ResponseHead::is_transient_grpc_status`]), on gRPC requests; a replacement, which
+    /// judges every response, calls it too to keep them. A released response still reaches
+    /// its client.
     ///
     /// # Example
     ///
@@ -278,7 +283,7 @@ impl IdempotencyLayer {
         mut self,
         release: impl Fn(&ResponseHead<'_>) -> bool + Send + Sync + 'static,
     ) -> Self {
-        self.config().release_when = Arc::new(release);
+        self.config().release_when = Some(Arc::new(release));
         self
     }
 

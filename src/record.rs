@@ -53,8 +53,8 @@ pub struct StoredResponse {
     pub headers: HeaderMap,
     /// The body bytes.
     pub body: Bytes,
-    /// The trailers that followed the body (gRPC's status lives there); empty when none.
-    pub trailers: HeaderMap,
+    /// The trailers that followed the body (gRPC's status lives there), if any.
+    pub trailers: Option<HeaderMap>,
 }
 
 /// One key's record in a store.
@@ -144,9 +144,9 @@ impl Record {
                     .map_err(|_| DecodeError("invalid status"))?;
                 let headers = take_headers(&mut bytes)?;
                 let trailers = if kind == COMPLETED_WITH_TRAILERS {
-                    take_headers(&mut bytes)?
+                    Some(take_headers(&mut bytes)?)
                 } else {
-                    HeaderMap::new()
+                    None
                 };
                 let response = StoredResponse {
                     status,
@@ -173,12 +173,16 @@ pub(crate) fn encode_completed(fingerprint: &Fingerprint, response: &StoredRespo
 
 /// The length of the completed record of `response`.
 pub(crate) fn completed_len(response: &StoredResponse) -> usize {
-    let trailers_len = if response.trailers.is_empty() {
-        0
-    } else {
-        headers_len(&response.trailers)
-    };
+    let trailers_len = recorded_trailers(response).map_or(0, headers_len);
     2 + 32 + 2 + headers_len(&response.headers) + trailers_len + response.body.len()
+}
+
+/// The trailers a record keeps: none when the response had none, or an empty set.
+pub(crate) fn recorded_trailers(response: &StoredResponse) -> Option<&HeaderMap> {
+    response
+        .trailers
+        .as_ref()
+        .filter(|trailers| !trailers.is_empty())
 }
 
 /// The length of what [`put_headers`] writes for `headers`.
@@ -196,9 +200,9 @@ pub(crate) fn put_completed(
     fingerprint: &Fingerprint,
     response: &StoredResponse,
 ) {
-    let with_trailers = !response.trailers.is_empty();
+    let trailers = recorded_trailers(response);
     out.put_u8(VERSION_1);
-    out.put_u8(if with_trailers {
+    out.put_u8(if trailers.is_some() {
         COMPLETED_WITH_TRAILERS
     } else {
         COMPLETED
@@ -206,8 +210,8 @@ pub(crate) fn put_completed(
     out.put_slice(fingerprint.as_bytes());
     out.put_u16(response.status.as_u16());
     put_headers(out, &response.headers);
-    if with_trailers {
-        put_headers(out, &response.trailers);
+    if let Some(trailers) = trailers {
+        put_headers(out, trailers);
     }
     out.put_slice(&response.body);
 }
@@ -286,10 +290,10 @@ mod tests {
     }
 
     fn completed(body: &'static [u8]) -> Record {
-        completed_with(body, HeaderMap::new())
+        completed_with(body, None)
     }
 
-    fn completed_with(body: &'static [u8], trailers: HeaderMap) -> Record {
+    fn completed_with(body: &'static [u8], trailers: Option<HeaderMap>) -> Record {
         let mut headers = HeaderMap::new();
         headers.append("set-cookie", HeaderValue::from_static("a=1"));
         headers.append("set-cookie", HeaderValue::from_static("b=2"));
@@ -305,11 +309,11 @@ mod tests {
         }
     }
 
-    fn grpc_trailers() -> HeaderMap {
+    fn grpc_trailers() -> Option<HeaderMap> {
         let mut trailers = HeaderMap::new();
         trailers.append("grpc-status", HeaderValue::from_static("9"));
         trailers.append("grpc-message", HeaderValue::from_static("card_declined"));
-        trailers
+        Some(trailers)
     }
 
     #[test]

@@ -145,7 +145,7 @@ impl Rejection {
             status,
             headers,
             body,
-            trailers: HeaderMap::new(),
+            trailers: None,
         }
     }
 }

@@ -510,7 +510,7 @@ async fn stale_holder_cannot_touch_the_new_claim(store: Arc<dyn Store>) {
         status: StatusCode::OK,
         headers: HeaderMap::new(),
         body: Bytes::from_static(b"stale"),
-        trailers: http::HeaderMap::new(),
+        trailers: None,
     };
     let ttl = Duration::from_secs(60);
     assert_eq!(
@@ -566,7 +566,7 @@ async fn completing_twice_with_one_token_is_harmless(store: Arc<dyn Store>) {
         status: StatusCode::CREATED,
         headers: HeaderMap::new(),
         body: Bytes::from_static(b"once"),
-        trailers: http::HeaderMap::new(),
+        trailers: None,
     };
     for _ in 0..2 {
         let fenced = store

@@ -34,7 +34,7 @@ fn response(body: &'static [u8]) -> StoredResponse {
         status: StatusCode::PAYMENT_REQUIRED,
         headers,
         body: Bytes::from_static(body),
-        trailers: http::HeaderMap::new(),
+        trailers: None,
     }
 }
 

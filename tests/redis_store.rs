@@ -545,7 +545,7 @@ async fn a_lost_claim_can_neither_complete_release_nor_extend_the_new_one() {
         status: StatusCode::CREATED,
         headers: HeaderMap::new(),
         body: Bytes::from_static(b"from the lost claim A"),
-        trailers: http::HeaderMap::new(),
+        trailers: None,
     };
     let writes_with_a = [
         store.complete(&scope, a, fp_a, &stale, ttl).await.unwrap(),
@@ -605,7 +605,7 @@ fn binary_response() -> StoredResponse {
         status: StatusCode::PAYMENT_REQUIRED,
         headers,
         body: Bytes::copy_from_slice(&body),
-        trailers: http::HeaderMap::new(),
+        trailers: None,
     }
 }
 
@@ -1020,7 +1020,7 @@ async fn a_full_cache_keeps_its_newest_records_within_its_bound() {
         status: StatusCode::CREATED,
         headers: HeaderMap::new(),
         body: Bytes::from(format!("payment {n}")),
-        trailers: http::HeaderMap::new(),
+        trailers: None,
     };
     for (n, scope) in scopes.iter().enumerate() {
         let Claim::Claimed(token) = cache.claim(scope, fingerprint(1), lease).await.unwrap() else {

@@ -657,7 +657,7 @@ async fn duplicates_apply_once(store: &RedisStore, topology: &str) {
             .into_iter()
             .collect(),
         body: Bytes::from_static(br#"{"id":"pay_1"}"#),
-        trailers: http::HeaderMap::new(),
+        trailers: None,
     };
     for attempt in ["first", "retried"] {
         let completed = store

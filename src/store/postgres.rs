@@ -5,13 +5,13 @@ use std::{fmt, sync::Arc, time::Duration};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use deadpool_postgres::{Manager, Pool, Runtime};
-use http::{HeaderMap, StatusCode};
+use http::StatusCode;
 use tokio::task::JoinHandle;
 use tokio_postgres::{types::ToSql, NoTls, Row};
 
 use super::{Claim, Error, Fenced, Result, Store};
 use crate::{
-    record::{put_headers, take_headers},
+    record::{put_headers, recorded_trailers, take_headers},
     ClaimToken, Fingerprint, Scope, StoredResponse,
 };
 
@@ -377,9 +377,9 @@ fn decode_claim(row: &Row) -> Result<Claim> {
             let mut headers = Bytes::from(row.try_get::<_, Vec<u8>>(4)?);
             let decoded = take_headers(&mut headers)?;
             let trailers = if headers.is_empty() {
-                HeaderMap::new()
+                None
             } else {
-                take_headers(&mut headers)?
+                Some(take_headers(&mut headers)?)
             };
             if !headers.is_empty() {
                 return Err(
@@ -457,8 +457,8 @@ impl Store for PostgresStore {
     ) -> Result<Fenced> {
         let mut headers = BytesMut::new();
         put_headers(&mut headers, &response.headers);
-        if !response.trailers.is_empty() {
-            put_headers(&mut headers, &response.trailers);
+        if let Some(trailers) = recorded_trailers(response) {
+            put_headers(&mut headers, trailers);
         }
         let status = response.status.as_u16() as i16;
         let rows = self
