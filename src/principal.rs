@@ -8,8 +8,9 @@ use sha2::{Digest, Sha256};
 /// Names the principal (user, account, API credential) a request acts for, so that two
 /// principals never share idempotency records.
 ///
-/// Implemented for closures `Fn(&Parts) -> Option<String>`; `None` is the anonymous
-/// principal, shared by every request without one.
+/// Implemented for closures `Fn(&Parts) -> Option<String>`, whose names mean the same as
+/// [`Principal::new`] of them; `None` is the anonymous principal, shared by every request
+/// without one.
 ///
 /// # Example
 ///
@@ -24,22 +25,26 @@ use sha2::{Digest, Sha256};
 /// ```
 pub trait ExtractPrincipal: Send + Sync + 'static {
     /// The principal of this request, or `None` when it is anonymous.
-    fn extract(&self, parts: &Parts) -> Option<String>;
+    fn extract(&self, parts: &Parts) -> Option<Principal>;
 }
 
 impl<F> ExtractPrincipal for F
 where
     F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
 {
-    fn extract(&self, parts: &Parts) -> Option<String> {
-        self(parts)
+    fn extract(&self, parts: &Parts) -> Option<Principal> {
+        self(parts).map(Principal::new)
     }
 }
 
-/// A request extension naming the principal, for an authentication layer that runs before
-/// the idempotency layer to insert.
+/// A principal, in the one form stored in every key's scope whichever way it was named.
 ///
-/// The default extractor uses it when present.
+/// A name (user `carol`, given as this request extension by an authentication layer, or
+/// returned by a [`principal`](crate::IdempotencyLayer::principal) closure) is stored as
+/// the name itself: switching from one to the other between deploys keeps every record.
+/// A digest of a credential ([`Principal::from_credential`]) is stored as `auth:` and 32
+/// hex digits, and a name is never stored in that form: a name that begins with `auth:`
+/// or `\` is stored with one more `\` in front.
 ///
 /// # Example
 ///
@@ -49,43 +54,60 @@ where
 /// let mut request = http::Request::new(());
 /// // ...in the authentication middleware, once the caller is known:
 /// request.extensions_mut().insert(Principal::new("user_42"));
+///
+/// assert_eq!(Principal::new("user_42").as_str(), "user_42");
+/// assert_eq!(Principal::new("auth:x").as_str(), "\\auth:x");
+/// assert!(Principal::from_credential(b"Bearer sk_live_1").as_str().starts_with("auth:"));
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Principal(String);
 
 impl Principal {
-    /// A principal named by an authentication layer.
+    /// A principal named by an authentication layer or an extractor.
     pub fn new(name: impl Into<String>) -> Self {
-        Self(name.into())
+        let name = name.into();
+        if name.starts_with(CREDENTIAL) || name.starts_with('\\') {
+            Self(format!("\\{name}"))
+        } else {
+            Self(name)
+        }
     }
 
-    /// The principal's name.
+    /// A principal known only by its credential (an `Authorization` value, an API key):
+    /// 128 bits of its SHA-256 digest, which keep credentials apart without storing one.
+    pub fn from_credential(credential: &[u8]) -> Self {
+        let digest = Sha256::digest(credential);
+        let mut stored = String::with_capacity(CREDENTIAL.len() + 32);
+        stored.push_str(CREDENTIAL);
+        for byte in &digest[..16] {
+            stored.push(char::from(HEX[usize::from(byte >> 4)]));
+            stored.push(char::from(HEX[usize::from(byte & 0xf)]));
+        }
+        Self(stored)
+    }
+
+    /// The principal as its scope stores it (see above).
     pub fn as_str(&self) -> &str {
         &self.0
     }
 }
 
+/// What stored credential digests begin with, and stored names never do.
+const CREDENTIAL: &str = "auth:";
+
 /// The secure default: the [`Principal`] extension when an authentication layer set one,
-/// else a SHA-256 digest of the `Authorization` header (so two credentials never share
-/// records, and no credential is ever stored), else anonymous.
+/// else [`Principal::from_credential`] of the `Authorization` header (so two credentials
+/// never share records, and no credential is ever stored), else anonymous.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultPrincipal;
 
 impl ExtractPrincipal for DefaultPrincipal {
-    fn extract(&self, parts: &Parts) -> Option<String> {
+    fn extract(&self, parts: &Parts) -> Option<Principal> {
         if let Some(principal) = parts.extensions.get::<Principal>() {
-            return Some(format!("p:{}", principal.0));
+            return Some(principal.clone());
         }
         let authorization = parts.headers.get(http::header::AUTHORIZATION)?;
-        let digest = Sha256::digest(authorization.as_bytes());
-        let mut name = String::with_capacity(5 + 32);
-        name.push_str("auth:");
-        // 128 bits of the digest keep credentials apart; the rest would only cost storage.
-        for byte in &digest[..16] {
-            name.push(char::from(HEX[usize::from(byte >> 4)]));
-            name.push(char::from(HEX[usize::from(byte & 0xf)]));
-        }
-        Some(name)
+        Some(Principal::from_credential(authorization.as_bytes()))
     }
 }
 
@@ -97,7 +119,7 @@ const HEX: &[u8; 16] = b"0123456789abcdef";
 pub struct Unscoped;
 
 impl ExtractPrincipal for Unscoped {
-    fn extract(&self, _parts: &Parts) -> Option<String> {
+    fn extract(&self, _parts: &Parts) -> Option<Principal> {
         None
     }
 }
@@ -133,15 +155,34 @@ mod tests {
             .extract(&parts(Some("Bearer bob")))
             .unwrap();
         assert_ne!(alice, bob);
-        assert!(!alice.contains("alice"));
-        assert_eq!(alice.len(), 5 + 32);
+        assert!(!alice.as_str().contains("alice"));
+        assert_eq!(alice.as_str().len(), 5 + 32);
         assert_eq!(DefaultPrincipal.extract(&parts(None)), None);
     }
 
     #[test]
-    fn extension_wins_over_authorization() {
+    fn extension_wins_over_authorization_and_is_stored_as_named() {
         let mut parts = parts(Some("Bearer alice"));
         parts.extensions.insert(Principal::new("u1"));
-        assert_eq!(DefaultPrincipal.extract(&parts).as_deref(), Some("p:u1"));
+        let extracted = DefaultPrincipal.extract(&parts).unwrap();
+        assert_eq!(extracted.as_str(), "u1");
+        let by_closure = |_: &Parts| Some("u1".to_owned());
+        assert_eq!(by_closure.extract(&parts), Some(extracted));
+    }
+
+    #[test]
+    fn no_name_is_stored_as_a_credential_digest() {
+        let digest = Principal::from_credential(b"Bearer alice");
+        // A name chosen to look exactly like a digest stays apart from it.
+        assert_ne!(Principal::new(digest.as_str()), digest);
+        assert_eq!(
+            Principal::new(digest.as_str()).as_str(),
+            format!("\\{}", digest.as_str())
+        );
+        // Escaping is one-to-one: `\auth:x` and `\\auth:x` stay apart too.
+        let escaped = Principal::new("\\auth:x");
+        assert_ne!(escaped, Principal::new("auth:x"));
+        assert_eq!(escaped.as_str(), "\\\\auth:x");
+        assert_eq!(Principal::new("authors").as_str(), "authors");
     }
 }

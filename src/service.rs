@@ -22,7 +22,7 @@ use crate::{
     request_body::HandOnBody,
     response::Rejection,
     store::Store,
-    Fingerprint, IdempotencyKey, Scope,
+    Fingerprint, IdempotencyKey, Principal, Scope,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -191,7 +191,9 @@ where
 fn scope(config: &Config, parts: &Parts, key: IdempotencyKey) -> Scope {
     let principal = config.principal.0.extract(parts);
     let path = match &config.endpoint {
-        Endpoint::Fixed(name) => return Scope::from_parts(principal.as_deref(), &[name], key),
+        Endpoint::Fixed(name) => {
+            return Scope::from_parts(principal.as_ref().map(Principal::as_str), &[name], key)
+        }
         #[cfg(feature = "axum")]
         Endpoint::MatchedPath => parts
             .extensions
@@ -200,7 +202,7 @@ fn scope(config: &Config, parts: &Parts, key: IdempotencyKey) -> Scope {
         Endpoint::MethodAndPath => parts.uri.path(),
     };
     Scope::from_parts(
-        principal.as_deref(),
+        principal.as_ref().map(Principal::as_str),
         &[parts.method.as_str(), " ", path],
         key,
     )
