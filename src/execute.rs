@@ -84,24 +84,34 @@ where
         };
         match claim {
             Ok(Claim::Claimed(_)) => {}
-            Ok(
-                Claim::Completed {
-                    fingerprint: theirs,
-                    ..
-                }
-                | Claim::InProgress {
-                    fingerprint: theirs,
-                    ..
-                },
-            ) if theirs != fingerprint => {
+            Ok(Claim::InProgress {
+                fingerprint: theirs,
+                ..
+            }) if theirs != fingerprint => {
                 return Ok(Rejection::ReusedWithDifferentParams.into_response(protocol()));
             }
-            Ok(Claim::Completed { response, .. }) => return Ok(replay(response)),
+            // A record of a negotiated response (`Vary`) keeps the fingerprint varied by
+            // what its request asked for: only a retry asking the same matches. A record
+            // kept before that, or of a response that varies on nothing, keeps the plain one.
+            Ok(Claim::Completed {
+                fingerprint: theirs,
+                response,
+                ..
+            }) if theirs == fingerprint
+                || theirs == fingerprint.varied(&response.headers, &parts.headers) =>
+            {
+                return Ok(replay(response))
+            }
+            Ok(Claim::Completed { .. }) => {
+                return Ok(Rejection::ReusedWithDifferentParams.into_response(protocol()));
+            }
             Ok(Claim::InProgress {
-                lease_remaining, ..
+                lease_remaining,
+                running_for,
+                ..
             }) => {
                 return Ok(Rejection::InProgress {
-                    retry_after: lease_remaining,
+                    retry_after: retry_after(running_for, lease_remaining),
                 }
                 .into_response(protocol()));
             }
@@ -141,6 +151,18 @@ where
         let request = Request::from_parts(parts, ReqBody::buffered(body));
         FinishOnDrop::new(held.execute(inner, fingerprint, request)).await
     }
+}
+
+/// When a duplicate should come back: after as long again as the holder has been running
+/// (a result that took a second so far is likely a second away; one that took ten, ten),
+/// at least a second, and no later than the lease runs out (when a crashed holder's key
+/// frees itself). Unknown running time counts as none: ask again soon.
+fn retry_after(running_for: Option<Duration>, lease_remaining: Duration) -> Duration {
+    let soonest = Duration::from_secs(1);
+    running_for
+        .unwrap_or_default()
+        .max(soonest)
+        .min(lease_remaining.max(soonest))
 }
 
 /// An execution polled in place by its request; if the request is dropped first (its client
@@ -282,6 +304,9 @@ impl Held {
         ResBody: Body<Data = Bytes>,
         ResBody::Error: fmt::Display,
     {
+        // What the request asked for, in case the response turns out to be negotiated on it
+        // (`Vary`): its record must match only retries that ask the same.
+        let asked = request.headers().clone();
         let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
         match self.renew_while(call).await {
             Err(panic) => {
@@ -296,7 +321,7 @@ impl Held {
                 self.release("the response status releases the key").await;
                 Ok(response.map(ResponseBody::inner))
             }
-            Ok(Ok(response)) => Ok(self.record(fingerprint, response).await),
+            Ok(Ok(response)) => Ok(self.record(fingerprint, &asked, response).await),
         }
     }
 
@@ -404,6 +429,7 @@ impl Held {
     async fn record<B>(
         &self,
         fingerprint: Fingerprint,
+        asked: &HeaderMap,
         response: Response<B>,
     ) -> Response<ResponseBody<B>>
     where
@@ -411,7 +437,9 @@ impl Held {
         B::Error: fmt::Display,
     {
         let (parts, body) = response.into_parts();
-        let (stored, body) = match buffer_response(body, self.config.max_response_body).await {
+        let (stored, body, fingerprint) = match buffer_response(body, self.config.max_response_body)
+            .await
+        {
             Buffered::Whole { body, trailers } => {
                 if self.releases(&parts, trailers.as_ref()) {
                     self.release("the response releases the key").await;
@@ -425,7 +453,12 @@ impl Held {
                     body: body.clone(),
                     trailers: trailers.clone(),
                 };
-                (stored, ResponseBody::with_trailers(body, trailers))
+                let fingerprint = fingerprint.varied(&parts.headers, asked);
+                (
+                    stored,
+                    ResponseBody::with_trailers(body, trailers),
+                    fingerprint,
+                )
             }
             Buffered::TooLarge { prefix, rest } => {
                 self.warn("response larger than max_response_body: retries get 409 response_not_replayable");
@@ -433,7 +466,8 @@ impl Held {
                     status: parts.status,
                 }
                 .into_stored(self.protocol);
-                (stored, ResponseBody::spliced(prefix, rest))
+                // Not the response but a refusal to replay it, to every retry alike.
+                (stored, ResponseBody::spliced(prefix, rest), fingerprint)
             }
             Buffered::Failed(error) => {
                 tracing::error!(key = %self.scope.key(), %error, "the response body failed");
@@ -649,5 +683,17 @@ mod tests {
             }
             _ => panic!("expected Whole"),
         }
+    }
+
+    #[test]
+    fn retry_after_tracks_the_running_time_within_the_lease() {
+        let secs = Duration::from_secs;
+        let lease = secs(29);
+        assert_eq!(retry_after(None, lease), secs(1));
+        assert_eq!(retry_after(Some(Duration::from_millis(80)), lease), secs(1));
+        assert_eq!(retry_after(Some(secs(7)), lease), secs(7));
+        assert_eq!(retry_after(Some(secs(40)), lease), lease);
+        // A lease about to run out still leaves a second to come back in.
+        assert_eq!(retry_after(Some(secs(5)), Duration::ZERO), secs(1));
     }
 }

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use http::{request::Parts, HeaderName};
+use http::{header::VARY, request::Parts, HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
 /// SHA-256 over the method, path, query, configured headers and body of a request.
@@ -32,6 +32,34 @@ impl Fingerprint {
         Self(hasher.finalize().into())
     }
 
+    /// The fingerprint a completed record keeps: when the response names request headers
+    /// in `Vary` (it was negotiated: compressed because the request accepted gzip, say),
+    /// this fingerprint together with the request's values of those headers, so that only a
+    /// retry asking for the same representation matches it. Otherwise this fingerprint.
+    ///
+    /// Header values count as sent, byte for byte, in order; `Vary: *` names none.
+    pub fn varied(self, response: &HeaderMap, request: &HeaderMap) -> Self {
+        let Some(names) = vary_names(response) else {
+            return self;
+        };
+        let mut hasher = Sha256::new();
+        hasher.update(b"vary");
+        hasher.update(self.0);
+        let mut part = |bytes: &[u8]| {
+            hasher.update((bytes.len() as u64).to_be_bytes());
+            hasher.update(bytes);
+        };
+        for name in &names {
+            part(name.as_bytes());
+            let values = request.get_all(name.as_str());
+            part(&(values.iter().count() as u64).to_be_bytes());
+            for value in values {
+                part(value.as_bytes());
+            }
+        }
+        Self(hasher.finalize().into())
+    }
+
     /// A fingerprint from its stored bytes.
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
@@ -41,6 +69,25 @@ impl Fingerprint {
     pub const fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }
+}
+
+/// The request headers a response's `Vary` names, lower-cased, sorted and without
+/// repeats; `None` when it names none.
+fn vary_names(response: &HeaderMap) -> Option<Vec<String>> {
+    let mut names: Vec<String> = response
+        .get_all(VARY)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .filter(|name| !name.is_empty() && name != "*")
+        .collect();
+    if names.is_empty() {
+        return None;
+    }
+    names.sort_unstable();
+    names.dedup();
+    Some(names)
 }
 
 impl fmt::Debug for Fingerprint {
@@ -93,6 +140,55 @@ mod tests {
         assert_eq!(
             Fingerprint::of(&parts("/a", Some("t")), &[], b""),
             Fingerprint::of(&parts("/a", Some("u")), &[], b"")
+        );
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                value.parse().unwrap(),
+            );
+        }
+        map
+    }
+
+    #[test]
+    fn the_headers_a_response_varies_on_take_part() {
+        let base = Fingerprint::of(&parts("/a", None), &[], b"body");
+        let gzip = headers(&[("accept-encoding", "gzip"), ("x-other", "1")]);
+        // No Vary, or `Vary: *`: the fingerprint itself.
+        assert_eq!(base.varied(&HeaderMap::new(), &gzip), base);
+        assert_eq!(base.varied(&headers(&[("vary", "*")]), &gzip), base);
+        let vary = headers(&[("vary", "Accept-Encoding")]);
+        let varied = base.varied(&vary, &gzip);
+        assert_ne!(varied, base);
+        // Only the named headers count, however the name is spelled or repeated.
+        let same = headers(&[("accept-encoding", "gzip"), ("x-other", "2")]);
+        assert_eq!(base.varied(&vary, &same), varied);
+        let spelled = headers(&[
+            ("vary", "origin, ACCEPT-ENCODING"),
+            ("vary", "accept-encoding"),
+        ]);
+        let spelled_alone = headers(&[("vary", "Origin,Accept-Encoding")]);
+        assert_eq!(
+            base.varied(&spelled, &gzip),
+            base.varied(&spelled_alone, &gzip)
+        );
+        // Another value, no value, or one more value: another representation.
+        for request in [
+            headers(&[("accept-encoding", "identity")]),
+            HeaderMap::new(),
+            headers(&[("accept-encoding", "gzip"), ("accept-encoding", "br")]),
+        ] {
+            assert_ne!(base.varied(&vary, &request), varied, "{request:?}");
+        }
+        // A value cannot pass for the next header's name.
+        let two = headers(&[("vary", "a, b")]);
+        assert_ne!(
+            base.varied(&two, &headers(&[("a", "b")])),
+            base.varied(&two, &headers(&[("b", "")]))
         );
     }
 

@@ -80,7 +80,7 @@ impl Default for Config {
             lease: Duration::from_secs(30),
             max_request_body: 1024 * 1024,
             max_response_body: 1024 * 1024,
-            release_on: Arc::new(|status: StatusCode| status.is_server_error()),
+            release_on: Arc::new(releases_by_default),
             release_when: None,
             fail_open: false,
             principal: BoxedPrincipal(Arc::new(DefaultPrincipal)),
@@ -91,10 +91,19 @@ impl Default for Config {
     }
 }
 
+/// The statuses that say the operation was not done, or its outcome is unknown: 5xx,
+/// `408 Request Timeout` (a timeout layer inside gave up on the handler) and
+/// `429 Too Many Requests` (a rate limiter inside turned the request away).
+pub(crate) fn releases_by_default(status: StatusCode) -> bool {
+    status.is_server_error()
+        || status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS
+}
+
 impl IdempotencyLayer {
     /// A layer on `store` with the defaults: `POST` and `PATCH`, key optional, results kept
     /// 24 hours, a 30-second lease renewed while the handler runs, bodies up to 1 MiB,
-    /// released on inner error, panic or 5xx, fail closed, scoped by
+    /// released on inner error, panic, 5xx, 408 or 429, fail closed, scoped by
     /// [`DefaultPrincipal`] and `"<METHOD> <path>"`.
     pub fn new(store: impl Store) -> Self {
         Self::from_shared(Arc::new(store))
@@ -243,15 +252,19 @@ impl IdempotencyLayer {
     }
 
     /// Which response statuses release the key instead of recording the response, so that a
-    /// retry executes again. Inner errors and panics always release. Default: 5xx.
+    /// retry executes again. Inner errors and panics always release. Default: 5xx,
+    /// `408 Request Timeout` and `429 Too Many Requests`, which say the operation was not
+    /// done (a timeout or rate-limit layer inside this one answered instead of the handler).
     ///
     /// # Example
     ///
     /// ```
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
-    /// // Also let clients retry after a 429 from a rate limiter inside the layer.
-    /// let layer = IdempotencyLayer::new(MemoryStore::new())
-    ///     .release_on(|status| status.is_server_error() || status.as_u16() == 429);
+    /// // A handler that answers 503 only before it touches anything, and 504 when a
+    /// // downstream call timed out: the 504 may have charged, so it is kept and replayed.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).release_on(|status| {
+    ///     matches!(status.as_u16(), 408 | 429 | 500..=503 | 505..)
+    /// });
     /// ```
     pub fn release_on(
         mut self,

@@ -1,6 +1,10 @@
 //! What a store keeps for a key, and its versioned byte encoding.
 
-use std::{cell::Cell, fmt};
+use std::{
+    cell::Cell,
+    fmt,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -9,21 +13,40 @@ use crate::Fingerprint;
 
 /// The proof that a request holds a key: every write after the claim must present it, so a
 /// holder whose lease was lost and re-claimed by another request cannot touch the new claim.
+///
+/// Its first 8 bytes are when it was issued (unix milliseconds), so that a store which
+/// finds a key held can say how long its holder has been running ([`ClaimToken::age`])
+/// without keeping a time of its own.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ClaimToken([u8; 16]);
 
 impl ClaimToken {
-    /// A token no other claim holds. Each thread counts up from a random 128-bit start, so
-    /// two tokens collide only if two threads' starts land within one count of each other
-    /// (odds about `threads² × tokens per thread / 2¹²⁸`), without a random draw per claim.
+    /// A token no other claim holds: the time, then a count each thread runs up from a
+    /// random 64-bit start. Two tokens collide only if two threads' counts meet within the
+    /// same millisecond, without a random draw per claim.
     pub fn unique() -> Self {
         thread_local! {
-            static NEXT: Cell<u128> = Cell::new(rand::random());
+            static NEXT: Cell<u64> = Cell::new(rand::random());
         }
-        Self(
-            NEXT.with(|next| next.replace(next.get().wrapping_add(1)))
-                .to_be_bytes(),
-        )
+        let count = NEXT.with(|next| next.replace(next.get().wrapping_add(1)));
+        let mut bytes = [0; 16];
+        bytes[..8].copy_from_slice(&unix_millis(SystemTime::now()).to_be_bytes());
+        bytes[8..].copy_from_slice(&count.to_be_bytes());
+        Self(bytes)
+    }
+
+    /// How long ago the token was issued, by this machine's clock; `None` when its time is
+    /// not plausible (more than a minute ahead, or more than 30 days old), as for a token
+    /// made by [`from_bytes`](Self::from_bytes) of other bytes.
+    pub fn age(&self) -> Option<Duration> {
+        const SKEW: u64 = 60_000;
+        const OLDEST: u64 = 30 * 86_400_000;
+        let issued = u64::from_be_bytes(self.0[..8].try_into().unwrap_or_default());
+        let now = unix_millis(SystemTime::now());
+        if issued > now.saturating_add(SKEW) || now.saturating_sub(issued) > OLDEST {
+            return None;
+        }
+        Some(Duration::from_millis(now.saturating_sub(issued)))
     }
 
     /// A token from its stored bytes.
@@ -37,10 +60,16 @@ impl ClaimToken {
     }
 }
 
+fn unix_millis(time: SystemTime) -> u64 {
+    let since_epoch = time.duration_since(UNIX_EPOCH).unwrap_or_default();
+    u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX)
+}
+
 impl fmt::Debug for ClaimToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Only a prefix: enough to correlate log lines, not enough to forge a write.
-        write!(f, "ClaimToken({:02x}{:02x}…)", self.0[0], self.0[1])
+        // Only the end of the count: enough to correlate log lines, not enough to forge a
+        // write. (The start is the time, the same for every token of a moment.)
+        write!(f, "ClaimToken(…{:02x}{:02x})", self.0[14], self.0[15])
     }
 }
 

@@ -24,7 +24,8 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_idempotency::{
-    store::Claim, store::Fenced, Fingerprint, Principal, Store, StoredResponse,
+    store::Claim, store::Fenced, Fingerprint, IdempotencyKey, Principal, Scope, Store,
+    StoredResponse,
 };
 
 use support::app::*;
@@ -52,6 +53,7 @@ for_each_store!(
     scope_parts_never_splice,
     principals_are_isolated_by_default,
     principal_extension_from_an_auth_layer,
+    one_principal_one_scope_however_named,
     endpoints_scope_keys,
     matched_path_names_the_endpoint,
     oversized_response_is_streamed_and_never_executed_twice,
@@ -259,17 +261,25 @@ async fn in_progress_conflict_says_when_to_retry(store: Arc<dyn Store>) {
     until_executing(&handler, 1).await;
     let answer = send(&app, post_waiting("p")).await;
     assert_eq!(answer.error(), "request_in_progress");
-    let retry_after: u64 = answer.headers[header::RETRY_AFTER]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!((1..=20).contains(&retry_after), "{retry_after}");
+    let retry_after = retry_after_header(&answer);
+    // Short while the holder has only just started, not the whole lease...
+    assert!((1..=2).contains(&retry_after), "{retry_after}");
     assert_eq!(answer.json()["retry_after"], retry_after);
+    // ...and as long again as it has been running once it runs for a while.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let later = send(&app, post_waiting("p")).await;
+    let retry_after = retry_after_header(&later);
+    assert!((3..=5).contains(&retry_after), "{retry_after}");
+    assert_eq!(later.json()["retry_after"], retry_after);
     handler.gate.add_permits(1);
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     assert!(send(&app, post_waiting("p")).await.replayed());
     assert_eq!(handler.executions(), 1);
+}
+
+fn retry_after_header(reply: &Answer) -> u64 {
+    let value = reply.headers[header::RETRY_AFTER].to_str().unwrap();
+    value.parse().unwrap()
 }
 
 async fn concurrent_duplicates_execute_once(store: Arc<dyn Store>) {
@@ -372,6 +382,17 @@ async fn server_errors_release_and_client_errors_are_recorded(store: Arc<dyn Sto
     assert!(!retry.replayed());
     assert_eq!(handler.executions(), 2);
 
+    // 408 (a timeout inside gave up) and 429 (a rate limiter inside turned it away): not
+    // done, released by default like the 5xx.
+    for (key, status) in [("t", "408"), ("r", "429")] {
+        let first = send(&app, post("/pay").key(key).header("x-status", status)).await;
+        assert_eq!(first.status.as_str(), status);
+        let retry = send(&app, post("/pay").key(key)).await;
+        assert!(!retry.replayed(), "{status}");
+        assert_eq!(retry.status, StatusCode::CREATED, "{status}");
+    }
+    assert_eq!(handler.executions(), 6);
+
     let declined = send(&app, post("/pay").key("d").header("x-status", "402")).await;
     let retry = send(&app, post("/pay").key("d").header("x-status", "402")).await;
     assert!(retry.replayed());
@@ -379,7 +400,7 @@ async fn server_errors_release_and_client_errors_are_recorded(store: Arc<dyn Sto
         (retry.status, retry.body),
         (StatusCode::PAYMENT_REQUIRED, declined.body)
     );
-    assert_eq!(handler.executions(), 3);
+    assert_eq!(handler.executions(), 7);
 
     let custom = router(
         &handler,
@@ -664,6 +685,62 @@ async fn principal_extension_from_an_auth_layer(store: Arc<dyn Store>) {
     assert!(!send(&app, as_session("u2")).await.replayed());
     assert!(send(&app, as_session("u1")).await.replayed());
     assert_eq!(handler.executions(), 2);
+}
+
+async fn one_principal_one_scope_however_named(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let session = |parts: &http::request::Parts| {
+        let user = parts.headers.get("x-session")?.to_str().ok()?;
+        Some(user.to_owned())
+    };
+    // Named by an auth layer's `Principal` extension (the default extractor)...
+    let by_extension = router(&handler, layer(&store)).layer(axum::middleware::map_request(
+        move |mut request: Request| async move {
+            let (parts, body) = request.into_parts();
+            let user = session(&parts);
+            request = Request::from_parts(parts, body);
+            if let Some(user) = user {
+                request.extensions_mut().insert(Principal::new(user));
+            }
+            request
+        },
+    ));
+    // ...or by a closure returning the same name: one scope, whichever a deploy uses.
+    let by_closure = router(&handler, layer(&store).principal(session));
+    let as_carol = |key: &str| post("/pay").key(key).header("x-session", "carol");
+    assert!(!send(&by_extension, as_carol("one")).await.replayed());
+    assert!(send(&by_closure, as_carol("one")).await.replayed());
+    assert!(!send(&by_closure, as_carol("two")).await.replayed());
+    assert!(send(&by_extension, as_carol("two")).await.replayed());
+    assert_eq!(handler.executions(), 2);
+    // What is stored is the name itself.
+    let key = IdempotencyKey::parse(&HeaderValue::from_static("one")).unwrap();
+    let stored = Scope::new(Some("carol".into()), "POST /pay".into(), key);
+    let claim = store
+        .claim(
+            &stored,
+            Fingerprint::from_bytes([0; 32]),
+            Duration::from_secs(1),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
+
+    // A credential's digest never shares a scope with a name, even one spelled like it.
+    let by_credential = router(&handler, layer(&store));
+    let digest = Principal::from_credential(b"Bearer carol")
+        .as_str()
+        .to_owned();
+    let by_name = router(
+        &handler,
+        layer(&store).principal(move |_: &http::request::Parts| Some(digest.clone())),
+    );
+    let credential = post("/pay")
+        .key("three")
+        .header("authorization", "Bearer carol");
+    assert!(!send(&by_credential, credential).await.replayed());
+    assert!(!send(&by_name, post("/pay").key("three")).await.replayed());
+    assert_eq!(handler.executions(), 4);
 }
 
 async fn endpoints_scope_keys(store: Arc<dyn Store>) {

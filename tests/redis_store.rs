@@ -524,6 +524,7 @@ async fn lease_left(store: &RedisStore, scope: &Scope, expected: Fingerprint) ->
         Claim::InProgress {
             fingerprint,
             lease_remaining,
+            ..
         } if fingerprint == expected => lease_remaining,
         other => panic!("expected the in-progress record of {expected:?}, got {other:?}"),
     }

@@ -641,6 +641,7 @@ async fn duplicates_apply_once(store: &RedisStore, topology: &str) {
         Claim::InProgress {
             fingerprint: holder,
             lease_remaining,
+            ..
         } => {
             assert_eq!(holder, fingerprint, "{topology}");
             assert!(lease_remaining <= LEASE, "{topology}: {lease_remaining:?}");

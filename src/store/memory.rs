@@ -179,9 +179,10 @@ impl Store for MemoryStore {
         let mut shard = self.shard(key);
         if let Some(entry) = shard.records.get(key).filter(|e| e.expires_at > now) {
             return Ok(match &entry.record {
-                Record::InProgress { fingerprint, .. } => Claim::InProgress {
+                Record::InProgress { fingerprint, token } => Claim::InProgress {
                     fingerprint: *fingerprint,
                     lease_remaining: entry.expires_at - now,
+                    running_for: token.age(),
                 },
                 Record::Completed {
                     fingerprint,

@@ -62,6 +62,9 @@ pub enum Claim {
         fingerprint: Fingerprint,
         /// How long the holder's lease still runs.
         lease_remaining: Duration,
+        /// How long the holder has been running, when the store can tell (the holder's
+        /// [`ClaimToken::age`]): the layer's `Retry-After` grows with it.
+        running_for: Option<Duration>,
     },
     /// The operation finished.
     Completed {

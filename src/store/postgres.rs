@@ -296,12 +296,14 @@ impl Table {
     WHERE r.expires_at <= now() OR (r.status = 'in_progress' AND r.locked_until <= now())
     RETURNING 1
 )
-SELECT true, NULL::bytea, NULL::text, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint
+SELECT true, NULL::bytea, NULL::text, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint,
+    NULL::bigint
 FROM claimed
 UNION ALL
 SELECT false, request_hash, status, status_code, response_headers, response_body,
     (extract(epoch FROM CASE WHEN status = 'in_progress' THEN locked_until ELSE expires_at END
-        - now()) * 1000)::bigint
+        - now()) * 1000)::bigint,
+    (extract(epoch FROM now() - created_at) * 1000)::bigint
 FROM {name}
 WHERE {scope} AND expires_at > now()
     AND (status = 'completed' OR locked_until > now())
@@ -361,9 +363,11 @@ fn decode_claim(row: &Row) -> Result<Claim> {
     match status.as_str() {
         "in_progress" => {
             let lease_remaining = remaining_millis(row)?;
+            let running: i64 = row.try_get(7)?;
             Ok(Claim::InProgress {
                 fingerprint,
                 lease_remaining,
+                running_for: Some(Duration::from_millis(running.max(0) as u64)),
             })
         }
         "completed" => {

@@ -612,9 +612,16 @@ impl Store for RedisStore {
             (Record::InProgress { token: holder, .. }, Some(_)) if holder == token => {
                 Ok(Claim::Claimed(token))
             }
-            (Record::InProgress { fingerprint, .. }, Some(deadline)) => Ok(Claim::InProgress {
+            (
+                Record::InProgress {
+                    fingerprint,
+                    token: holder,
+                },
+                Some(deadline),
+            ) => Ok(Claim::InProgress {
                 fingerprint,
                 lease_remaining: remaining(deadline),
+                running_for: holder.age(),
             }),
             (Record::InProgress { .. }, None) => {
                 Err(unexpected(&"an in-progress record without its deadline"))
