@@ -22,6 +22,7 @@ use tokio::time::Instant;
 
 use crate::{
     body::ResponseBody,
+    fingerprint::SentHeaders,
     grpc::{Protocol, ResponseHead},
     in_flight::Execution,
     layer::Config,
@@ -306,7 +307,7 @@ impl Held {
     {
         // What the request asked for, in case the response turns out to be negotiated on it
         // (`Vary`): its record must match only retries that ask the same.
-        let asked = request.headers().clone();
+        let asked = SentHeaders::of(request.headers());
         let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
         match self.renew_while(call).await {
             Err(panic) => {
@@ -429,7 +430,7 @@ impl Held {
     async fn record<B>(
         &self,
         fingerprint: Fingerprint,
-        asked: &HeaderMap,
+        asked: &SentHeaders,
         response: Response<B>,
     ) -> Response<ResponseBody<B>>
     where
@@ -453,7 +454,7 @@ impl Held {
                     body: body.clone(),
                     trailers: trailers.clone(),
                 };
-                let fingerprint = fingerprint.varied(&parts.headers, asked);
+                let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
                 (
                     stored,
                     ResponseBody::with_trailers(body, trailers),

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use http::{header::VARY, request::Parts, HeaderMap, HeaderName};
+use http::{header::VARY, request::Parts, HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
 
 /// SHA-256 over the method, path, query, configured headers and body of a request.
@@ -39,6 +39,22 @@ impl Fingerprint {
     ///
     /// Header values count as sent, byte for byte, in order; `Vary: *` names none.
     pub fn varied(self, response: &HeaderMap, request: &HeaderMap) -> Self {
+        self.varied_by(response, |name| request.get_all(name).iter().collect())
+    }
+
+    /// [`varied`](Self::varied) by the headers a request was sent with.
+    pub(crate) fn varied_by_sent(self, response: &HeaderMap, request: &SentHeaders) -> Self {
+        self.varied_by(response, |name| {
+            let named = request.0.iter().filter(|(sent, _)| sent.as_str() == name);
+            named.map(|(_, value)| value).collect()
+        })
+    }
+
+    fn varied_by<'r>(
+        self,
+        response: &HeaderMap,
+        values: impl Fn(&str) -> Vec<&'r HeaderValue>,
+    ) -> Self {
         let Some(names) = vary_names(response) else {
             return self;
         };
@@ -51,8 +67,8 @@ impl Fingerprint {
         };
         for name in &names {
             part(name.as_bytes());
-            let values = request.get_all(name.as_str());
-            part(&(values.iter().count() as u64).to_be_bytes());
+            let values = values(name);
+            part(&(values.len() as u64).to_be_bytes());
             for value in values {
                 part(value.as_bytes());
             }
@@ -68,6 +84,20 @@ impl Fingerprint {
     /// The digest's bytes.
     pub const fn as_bytes(&self) -> &[u8; 32] {
         &self.0
+    }
+}
+
+/// A request's headers as sent, kept while its handler runs in case the response turns out
+/// to be negotiated on them. A list: cheaper to copy than the request's map, and read only
+/// when a response has `Vary`.
+pub(crate) struct SentHeaders(Vec<(HeaderName, HeaderValue)>);
+
+impl SentHeaders {
+    pub(crate) fn of(headers: &HeaderMap) -> Self {
+        let sent = headers
+            .iter()
+            .map(|(name, value)| (name.clone(), value.clone()));
+        Self(sent.collect())
     }
 }
 
