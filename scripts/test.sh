@@ -14,7 +14,11 @@
 # PostgreSQL: uses DATABASE_URL when set; otherwise a server accepting the postgres user on
 # 127.0.0.1:5432; otherwise starts a throwaway cluster on a free port (installing Debian's
 # postgresql when it is missing) and removes it afterwards. Test tables live in the schema
-# idempotency_tests, dropped before each run.
+# idempotency_tests, dropped before each run too (one cut short may have left it).
+#
+# At exit, pass or fail, the run removes what it wrote on those servers (Redis keys under
+# test:*, the schema idempotency_tests, crash tests' databases; scripts/test-cleanup.sh),
+# then logs what is left ("left behind: ...") and fails if anything is.
 #
 # Extra arguments go to `cargo test` (for example a test name filter).
 set -euo pipefail
@@ -41,8 +45,15 @@ free_port() {
 }
 
 cleanup=()
+left_behind=""
+# Runs the cleanup commands, last registered first (the suite's data goes before the
+# servers holding it stop), and keeps the run's exit status; a run that passed but left
+# data behind fails.
 on_exit() {
-  for cmd in "${cleanup[@]+"${cleanup[@]}"}"; do eval "$cmd" || true; done
+  local status=$? i
+  for ((i = ${#cleanup[@]} - 1; i >= 0; i--)); do eval "${cleanup[i]}" || true; done
+  if [ "$status" -eq 0 ] && [ -n "$left_behind" ]; then status=1; fi
+  exit "$status"
 }
 trap on_exit EXIT
 
@@ -94,7 +105,7 @@ ensure_postgres() {
   else
     log "PostgreSQL: DATABASE_URL=$DATABASE_URL"
   fi
-  PGOPTIONS='-c client_min_messages=warning' psql "$DATABASE_URL" -qc 'DROP SCHEMA IF EXISTS idempotency_tests CASCADE' >/dev/null
+  drop_test_schema
 }
 
 start_throwaway_postgres() {
@@ -119,8 +130,16 @@ start_throwaway_postgres() {
 
 # shellcheck source=scripts/redis-topologies.sh
 . scripts/redis-topologies.sh
+# shellcheck source=scripts/test-cleanup.sh
+. scripts/test-cleanup.sh
 
+# A cluster or Sentinel set given by the environment outlives the run: clean it up too.
+given_cluster=${REDIS_CLUSTER_URLS:-}
+given_sentinels=${REDIS_SENTINEL_URLS:-}
 ensure_redis
 ensure_redis_topologies
 ensure_postgres
+find_redis_targets "$given_cluster" "$given_sentinels"
+count_default_keys
+cleanup+=("remove_test_data; report_left_behind || left_behind=1")
 cargo test --all-features "$@"

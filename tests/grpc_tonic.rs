@@ -179,10 +179,13 @@ async fn the_layers_own_answers_are_grpc_statuses(store: Arc<dyn Store>) {
 #[tokio::test]
 async fn the_grpc_payments_example_keeps_its_contract() {
     let binary = support::payments::build_example("grpc_payments");
+    // One prefix for both instances, under the `test:` keys the test script removes.
+    let prefix = support::unique_prefix("grpc_payments_example");
     let start = |port: u16| {
         let child = std::process::Command::new(&binary)
             .env("GRPC_ADDR", format!("127.0.0.1:{port}"))
             .env("REDIS_URL", support::redis_url())
+            .env("IDEMPOTENCY_PREFIX", &prefix)
             .env_remove("REDIS_CLUSTER_URLS")
             .env_remove("REDIS_SENTINEL_URLS")
             .env_remove("DATABASE_URL")

@@ -11,7 +11,8 @@
 //! `REDIS_SENTINEL_URLS` (comma-separated sentinels) with `REDIS_SENTINEL_MASTER` (the
 //! monitored name), `DATABASE_URL` (PostgreSQL), else memory; `IDEMPOTENCY_REPLICAS=<n>`
 //! makes each claim and completion on Redis wait for `n` replicas (for at most
-//! `IDEMPOTENCY_REPLICAS_TIMEOUT_MS`, default 1000); `IDEMPOTENCY_TTL_SECS`,
+//! `IDEMPOTENCY_REPLICAS_TIMEOUT_MS`, default 1000); `IDEMPOTENCY_PREFIX` (default
+//! `idempotency:`) starts every Redis key; `IDEMPOTENCY_TTL_SECS`,
 //! `IDEMPOTENCY_LEASE_SECS`; `IDEMPOTENCY_CACHE_RECORDS` (default
 //! 100000, 0 to turn off) sizes the local cache of completed records kept in front of Redis
 //! or PostgreSQL; `PAYMENTS_STATS=payments` makes

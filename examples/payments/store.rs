@@ -51,7 +51,7 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
 }
 
 /// The Redis store the environment names, if any: a cluster, a Sentinel-managed primary or
-/// one server.
+/// one server; its keys start with `IDEMPOTENCY_PREFIX` (default: the store's `idempotency:`).
 #[cfg(feature = "redis")]
 async fn redis_store() -> Result<Option<tower_idempotency::RedisStore>, Box<dyn std::error::Error>>
 {
@@ -88,7 +88,12 @@ async fn redis_store() -> Result<Option<tower_idempotency::RedisStore>, Box<dyn 
             .map_err(|_| format!("IDEMPOTENCY_REPLICAS_TIMEOUT_MS={value} is not milliseconds"))?,
         Err(_) => Duration::from_secs(1),
     };
-    Ok(Some(store.replicas(replicas, timeout)))
+    let store = store.replicas(replicas, timeout);
+    // Services (or test runs) sharing one Redis keep their keys apart.
+    Ok(Some(match std::env::var("IDEMPOTENCY_PREFIX") {
+        Ok(prefix) => store.prefix(prefix),
+        Err(_) => store,
+    }))
 }
 
 /// A whole number of seconds from environment variable `name`, if set.

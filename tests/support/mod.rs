@@ -65,7 +65,8 @@ pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".to_owned())
 }
 
-/// A key prefix no other test (or run) uses.
+/// A key prefix no other test (or run) uses, under `test:`: the test script removes every
+/// `test:*` key at the end of a run.
 pub fn unique_prefix(test: &str) -> String {
     format!("test:{test}:{:016x}:", rand::random::<u64>())
 }
@@ -118,7 +119,7 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
 }
 
-/// The schema holding every test table; the test script drops it before a run.
+/// The schema holding every test table; the test script drops it before and after a run.
 #[cfg(feature = "postgres")]
 pub const TEST_SCHEMA: &str = "idempotency_tests";
 

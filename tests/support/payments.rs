@@ -340,12 +340,17 @@ impl ExampleProcess {
     ///
     /// The test's own store settings (`REDIS_URL`, `REDIS_CLUSTER_URLS`,
     /// `REDIS_SENTINEL_URLS`, `DATABASE_URL`, ...) are not passed on: the store is in-memory
-    /// unless `env` names one.
+    /// unless `env` names one. Unless `env` sets `IDEMPOTENCY_PREFIX`, its Redis keys go
+    /// under a `test:` prefix of their own, which the test script removes after a run.
     pub async fn start(env: &[(&str, &str)]) -> Self {
-        let env = env
+        let mut env: Vec<(String, String)> = env
             .iter()
             .map(|&(name, value)| (name.to_owned(), value.to_owned()))
             .collect();
+        if !env.iter().any(|(name, _)| name == "IDEMPOTENCY_PREFIX") {
+            let prefix = super::unique_prefix("payments_example");
+            env.push(("IDEMPOTENCY_PREFIX".to_owned(), prefix));
+        }
         Self::spawn(env).await
     }
 
