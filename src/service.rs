@@ -154,12 +154,17 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large);
     }
+    // A limit layer outside this one fails the body with its own `LengthLimitError`,
+    // which a router between them may wrap: look through the causes.
     let reading = |error: BoxError| {
-        if error.is::<LengthLimitError>() {
-            too_large
-        } else {
-            Rejection::InvalidBody
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&*error);
+        while let Some(error) = cause {
+            if error.is::<LengthLimitError>() {
+                return too_large;
+            }
+            cause = error.source();
         }
+        Rejection::InvalidBody
     };
     // Most bodies arrive as one chunk, kept as it came; more are joined. (`collect` would
     // queue every chunk in a list first, one allocation more per request.)
