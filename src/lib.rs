@@ -32,13 +32,17 @@
 //! | body over the limit | `413 {"error":"request_body_too_large","limit":n}` |
 //! | store unreachable | `503 {"error":"idempotency_store_unavailable"}`, `Retry-After: 1` |
 //!
-//! The handler's errors, panics and 5xx answers release the key, so a retry executes again.
+//! The handler's errors, panics and 5xx, `408` and `429` answers release the key, so a
+//! retry executes again.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations)]
 
 mod body;
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
 mod execute;
 mod fingerprint;
 mod future;
@@ -58,6 +62,10 @@ pub mod store;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use ::redis;
+/// The attribute that [`Store`] implementations are written with:
+/// `#[tower_idempotency::async_trait]` on the `impl Store for …` block, so that a store
+/// needs no `async-trait` dependency of its own (see [`Store`] for an example).
+pub use async_trait::async_trait;
 pub use body::ResponseBody;
 /// The PostgreSQL pool the store is built on, so applications use a matching version.
 #[cfg(feature = "postgres")]

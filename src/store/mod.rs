@@ -100,6 +100,148 @@ pub enum Fenced {
 /// - Writes after the claim are **fenced**: they apply only while the record is the
 ///   in-progress record made by the claim that returned `token`.
 /// - Records are stored byte-exact: the response a claim returns equals the one completed.
+/// - A claim sent again with the token that holds the key (a retry of a claim whose reply
+///   was lost) leaves the claim the caller's: it answers [`Claim::Claimed`] with that token
+///   or [`Claim::InProgress`] with the caller's fingerprint, whichever the store can tell.
+///
+/// # Implementing a store
+///
+/// Implementations are written with [`#[tower_idempotency::async_trait]`](crate::async_trait)
+/// on the `impl` block. A backend with a single key column can name each record by
+/// [`Scope::storage_key`] and keep it as [`Record::encode`](crate::Record::encode) writes
+/// it. The cases of [`conformance`](crate::conformance) (feature `conformance`) check a
+/// store against this contract, as they check the built-in ones.
+///
+/// A complete store over a key-value map whose entries expire, the shape of most backends
+/// (an item with a TTL attribute and conditional writes, a key with a lease and a
+/// transaction): each entry keeps the token of the claim that made it, so that the fenced
+/// writes, a completion sent again included, can compare it.
+///
+/// ```
+/// use std::{
+///     collections::HashMap,
+///     sync::Mutex,
+///     time::{Duration, Instant},
+/// };
+///
+/// use bytes::Bytes;
+/// use tower_idempotency::{
+///     async_trait,
+///     store::{Claim, Fenced, Result},
+///     ClaimToken, Fingerprint, Record, Scope, Store, StoredResponse,
+/// };
+///
+/// /// Storage key → the token of the claim that made the record, the encoded record, and
+/// /// when it expires. (A backend with TTLs deletes expired entries by itself; this map
+/// /// keeps each until its key is claimed again.)
+/// type Entries = HashMap<String, (ClaimToken, Bytes, Instant)>;
+///
+/// /// Records in a map; one lock makes each operation atomic.
+/// #[derive(Debug, Default)]
+/// pub struct KvStore(Mutex<Entries>);
+///
+/// /// The live record of `scope`, if the claim with `token` made it: an expired entry is
+/// /// no record at all.
+/// fn made_by(entries: &Entries, scope: &Scope, token: ClaimToken) -> Result<Option<Record>> {
+///     match entries.get(scope.storage_key()) {
+///         Some((holder, record, expires)) if *holder == token && *expires > Instant::now() => {
+///             Ok(Some(Record::decode(record.clone())?))
+///         }
+///         _ => Ok(None),
+///     }
+/// }
+///
+/// #[async_trait]
+/// impl Store for KvStore {
+///     async fn claim_with_token(
+///         &self,
+///         scope: &Scope,
+///         fingerprint: Fingerprint,
+///         token: ClaimToken,
+///         lease: Duration,
+///     ) -> Result<Claim> {
+///         let mut entries = self.0.lock().unwrap();
+///         let now = Instant::now();
+///         if let Some((_, record, expires)) = entries.get(scope.storage_key()) {
+///             if *expires > now {
+///                 let left = *expires - now;
+///                 return Ok(match Record::decode(record.clone())? {
+///                     Record::InProgress { fingerprint, token } => Claim::InProgress {
+///                         fingerprint,
+///                         lease_remaining: left,
+///                         running_for: token.age(),
+///                     },
+///                     Record::Completed {
+///                         fingerprint,
+///                         response,
+///                     } => Claim::Completed {
+///                         fingerprint,
+///                         response,
+///                         expires_in: Some(left),
+///                     },
+///                 });
+///             }
+///         }
+///         let record = Record::InProgress { fingerprint, token }.encode();
+///         entries.insert(scope.storage_key().to_owned(), (token, record, now + lease));
+///         Ok(Claim::Claimed(token))
+///     }
+///
+///     async fn complete(
+///         &self,
+///         scope: &Scope,
+///         token: ClaimToken,
+///         fingerprint: Fingerprint,
+///         response: &StoredResponse,
+///         ttl: Duration,
+///     ) -> Result<Fenced> {
+///         let mut entries = self.0.lock().unwrap();
+///         Ok(match made_by(&entries, scope, token)? {
+///             Some(Record::InProgress { .. }) => {
+///                 let completed = Record::Completed {
+///                     fingerprint,
+///                     response: response.clone(),
+///                 };
+///                 let entry = (token, completed.encode(), Instant::now() + ttl);
+///                 entries.insert(scope.storage_key().to_owned(), entry);
+///                 Fenced::Applied
+///             }
+///             // This claim's completion, sent again: it is there already.
+///             Some(Record::Completed { .. }) => Fenced::Applied,
+///             None => Fenced::Lost,
+///         })
+///     }
+///
+///     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+///         let mut entries = self.0.lock().unwrap();
+///         Ok(match made_by(&entries, scope, token)? {
+///             Some(Record::InProgress { .. }) => {
+///                 entries.remove(scope.storage_key());
+///                 Fenced::Applied
+///             }
+///             _ => Fenced::Lost,
+///         })
+///     }
+///
+///     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
+///         let mut entries = self.0.lock().unwrap();
+///         Ok(match made_by(&entries, scope, token)? {
+///             Some(record @ Record::InProgress { .. }) => {
+///                 let entry = (token, record.encode(), Instant::now() + lease);
+///                 entries.insert(scope.storage_key().to_owned(), entry);
+///                 Fenced::Applied
+///             }
+///             _ => Fenced::Lost,
+///         })
+///     }
+/// }
+///
+/// # #[cfg(feature = "conformance")]
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// // Every case of the contract, as the built-in stores pass them (feature `conformance`).
+/// tower_idempotency::conformance::run_all(&KvStore::default()).await;
+/// # });
+/// ```
 #[async_trait]
 pub trait Store: Debug + Send + Sync + 'static {
     /// Atomically: if `scope` has no live record, store an in-progress record with

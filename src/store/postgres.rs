@@ -310,14 +310,14 @@ WHERE {scope} AND expires_at > now()
     AND NOT EXISTS (SELECT 1 FROM claimed)"
             ),
             // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms. A row this token
-            // already completed counts as held, so a completion whose reply was lost can be
-            // retried.
+            // already completed counts as held while it lives, so a completion whose reply
+            // was lost can be retried; once expired (purged or not) it is gone.
             complete: format!(
                 "UPDATE {name} SET status = 'completed', request_hash = $5, status_code = $6,
     response_headers = $7, response_body = $8, completed_at = now(), locked_until = NULL,
     expires_at = now() + $9::bigint * interval '1 millisecond'
 WHERE {scope} AND claim_token = $4
-    AND (status = 'completed' OR locked_until > now())"
+    AND ((status = 'completed' AND expires_at > now()) OR locked_until > now())"
             ),
             release: format!("DELETE FROM {name} WHERE {held}"),
             // $5 lease ms.

@@ -1,0 +1,23 @@
+//! The store conformance suite (`tower_idempotency::conformance`), one test per case,
+//! against every built-in store on real servers. (The key-value store that the `Store`
+//! documentation shows runs every case in its doctest.)
+
+mod support;
+
+tower_idempotency::store_conformance_tests!(memory, async {
+    tower_idempotency::MemoryStore::new()
+});
+tower_idempotency::store_conformance_tests!(redis, crate::support::redis_store("conformance"));
+tower_idempotency::store_conformance_tests!(
+    redis_cluster,
+    crate::support::cluster_store("conformance")
+);
+tower_idempotency::store_conformance_tests!(
+    redis_sentinel,
+    crate::support::sentinel_store("conformance")
+);
+tower_idempotency::store_conformance_tests!(postgres, crate::support::postgres_store());
+tower_idempotency::store_conformance_tests!(cached_redis, async {
+    let redis = crate::support::redis_store("conformance").await;
+    tower_idempotency::store::CachedStore::new(redis, 1000)
+});
