@@ -26,8 +26,9 @@ use crate::{
     grpc::{Protocol, ResponseHead},
     in_flight::Execution,
     layer::Config,
+    rejection::{Reason, Rejection},
+    replay::replay,
     request_body::HandOnBody,
-    response::{replay, Rejection},
     store::{self, Claim, Fenced, Store},
     ClaimToken, Fingerprint, Scope, StoredResponse,
 };
@@ -68,6 +69,10 @@ where
     async move {
         // Read only where the layer answers by itself: a replay never needs it.
         let protocol = || Protocol::of(&parts.headers);
+        let reject = |reason| {
+            let rejection = Rejection::new(reason, Some(scope.endpoint().to_owned()));
+            Ok(rejection.into_response(protocol(), &config))
+        };
         let token = ClaimToken::unique();
         let claim = {
             let abandoned = AbandonedClaim::arm(&store, &config, &scope, token);
@@ -89,7 +94,7 @@ where
                 fingerprint: theirs,
                 ..
             }) if theirs != fingerprint => {
-                return Ok(Rejection::ReusedWithDifferentParams.into_response(protocol()));
+                return reject(Reason::ReusedWithDifferentParams);
             }
             // A record of a negotiated response (`Vary`) keeps the fingerprint varied by
             // what its request asked for: only a retry asking the same matches. A record
@@ -104,17 +109,15 @@ where
                 return Ok(replay(response))
             }
             Ok(Claim::Completed { .. }) => {
-                return Ok(Rejection::ReusedWithDifferentParams.into_response(protocol()));
+                return reject(Reason::ReusedWithDifferentParams);
             }
             Ok(Claim::InProgress {
                 lease_remaining,
                 running_for,
                 ..
             }) => {
-                return Ok(Rejection::InProgress {
-                    retry_after: retry_after(running_for, lease_remaining),
-                }
-                .into_response(protocol()));
+                let retry_after = retry_after(running_for, lease_remaining);
+                return reject(Reason::InProgress { retry_after });
             }
             Err(error) if config.fail_open => {
                 tracing::error!(
@@ -132,7 +135,7 @@ where
                     principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
                     "idempotency store unavailable: refusing the request (fail-closed)"
                 );
-                return Ok(Rejection::StoreUnavailable.into_response(protocol()));
+                return reject(Reason::StoreUnavailable);
             }
         }
         // Read once claimed, so that a replay pays nothing for it: the lease began a round
@@ -463,10 +466,12 @@ impl Held {
             }
             Buffered::TooLarge { prefix, rest } => {
                 self.warn("response larger than max_response_body: retries get 409 response_not_replayable");
-                let stored = Rejection::NotReplayable {
+                let reason = Reason::NotReplayable {
                     status: parts.status,
-                }
-                .into_stored(self.protocol);
+                };
+                let endpoint = Some(self.scope.endpoint().to_owned());
+                let stored =
+                    Rejection::new(reason, endpoint).into_stored(self.protocol, &self.config);
                 // Not the response but a refusal to replay it, to every retry alike.
                 (stored, ResponseBody::spliced(prefix, rest), fingerprint)
             }

@@ -9,6 +9,7 @@ use crate::{
     grpc::ResponseHead,
     in_flight::InFlight,
     principal::{BoxedPrincipal, DefaultPrincipal, ExtractPrincipal, Unscoped},
+    rejection::RenderRejection,
     service::Idempotency,
     store::Store,
 };
@@ -55,6 +56,8 @@ pub(crate) struct Config {
     pub(crate) principal: BoxedPrincipal,
     pub(crate) endpoint: Endpoint,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    /// `None`: the default JSON errors, [`Rejection::json_response`](crate::Rejection::json_response).
+    pub(crate) render_rejections: Option<Arc<dyn RenderRejection>>,
     pub(crate) in_flight: InFlight,
 }
 
@@ -86,6 +89,7 @@ impl Default for Config {
             principal: BoxedPrincipal(Arc::new(DefaultPrincipal)),
             endpoint: Endpoint::MethodAndPath,
             fingerprint_headers: Vec::new(),
+            render_rejections: None,
             in_flight: InFlight::default(),
         }
     }
@@ -391,6 +395,29 @@ impl IdempotencyLayer {
         self.config().fingerprint_headers.push(name);
         self
     }
+
+    /// Render the layer's rejections of HTTP requests (a missing key, a key in progress,
+    /// ...) as the application's API renders its errors, or as the IETF draft does with
+    /// [`ProblemDetails`](crate::ProblemDetails). gRPC requests keep getting gRPC statuses.
+    /// Default: JSON `{"error":"<code>"}` ([`Rejection::json_response`](crate::Rejection::json_response)).
+    ///
+    /// A response too large to replay is recorded as its rejection, rendered when it is
+    /// recorded: retries get that rendering until the record expires.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, ProblemDetails};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .render_rejections(ProblemDetails::new("https://developer.example.com/idempotency"));
+    /// ```
+    ///
+    /// See [`RenderRejection`] for a renderer of one's own.
+    pub fn render_rejections(mut self, renderer: impl RenderRejection) -> Self {
+        self.config().render_rejections = Some(Arc::new(renderer));
+        self
+    }
 }
 
 impl<S> Layer<S> for IdempotencyLayer {
@@ -423,6 +450,7 @@ impl fmt::Debug for Config {
             .field("fail_open", &self.fail_open)
             .field("endpoint", &self.endpoint)
             .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("custom_rejections", &self.render_rejections.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -8,7 +8,7 @@ use std::{
 };
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::{request::Parts, Request, Response};
+use http::{request::Parts, Extensions, Method, Request, Response, Uri};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
@@ -19,8 +19,8 @@ use crate::{
     future::ResponseFuture,
     grpc::Protocol,
     layer::{Config, Endpoint},
+    rejection::{Reason, Rejection},
     request_body::HandOnBody,
-    response::Rejection,
     store::Store,
     Fingerprint, IdempotencyKey, Principal, Scope,
 };
@@ -81,15 +81,13 @@ where
         ) {
             Ok(Some(key)) => key,
             Ok(None) if config.required => {
-                let protocol = Protocol::of(request.headers());
-                return ResponseFuture::answered(Rejection::KeyRequired.into_response(protocol));
+                return ResponseFuture::answered(reject(Reason::KeyRequired, config, &request));
             }
             Ok(None) => {
                 return ResponseFuture::pass_through(self.inner.call(request.map(HandOnBody::pass)))
             }
             Err(_) => {
-                let protocol = Protocol::of(request.headers());
-                return ResponseFuture::answered(Rejection::InvalidKey.into_response(protocol));
+                return ResponseFuture::answered(reject(Reason::InvalidKey, config, &request));
             }
         };
         // The service that was made ready goes with this request; the clone stays for the next.
@@ -131,7 +129,12 @@ where
     async move {
         let body = match buffer_request(&parts, body, config.max_request_body).await {
             Ok(body) => body,
-            Err(rejection) => return Ok(rejection.into_response(Protocol::of(&parts.headers))),
+            Err(reason) => {
+                let endpoint = endpoint(&config, &parts.method, &parts.uri, &parts.extensions);
+                let endpoint = endpoint.concat();
+                let rejection = Rejection::new(reason, Some(endpoint));
+                return Ok(rejection.into_response(Protocol::of(&parts.headers), &config));
+            }
         };
         let scope = scope(&config, &parts, key);
         let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
@@ -140,12 +143,23 @@ where
     }
 }
 
-async fn buffer_request<B>(parts: &Parts, body: B, limit: usize) -> Result<Bytes, Rejection>
+/// The layer's answer to a request it refuses before reading its body.
+fn reject<ReqBody, ResBody>(
+    reason: Reason,
+    config: &Config,
+    request: &Request<ReqBody>,
+) -> Response<ResponseBody<ResBody>> {
+    let (method, uri, extensions) = (request.method(), request.uri(), request.extensions());
+    let endpoint = endpoint(config, method, uri, extensions).concat();
+    Rejection::new(reason, Some(endpoint)).into_response(Protocol::of(request.headers()), config)
+}
+
+async fn buffer_request<B>(parts: &Parts, body: B, limit: usize) -> Result<Bytes, Reason>
 where
     B: Body,
     B::Error: Into<BoxError>,
 {
-    let too_large = Rejection::BodyTooLarge { limit };
+    let too_large = Reason::BodyTooLarge { limit };
     // A declared length over the limit is refused before reading a byte.
     let declared = parts
         .headers
@@ -164,7 +178,7 @@ where
             }
             cause = error.source();
         }
-        Rejection::InvalidBody
+        Reason::InvalidBody
     };
     // Most bodies arrive as one chunk, kept as it came; more are joined. (`collect` would
     // queue every chunk in a list first, one allocation more per request.)
@@ -195,22 +209,29 @@ where
 /// on its own.
 fn scope(config: &Config, parts: &Parts, key: IdempotencyKey) -> Scope {
     let principal = config.principal.0.extract(parts);
+    let endpoint = endpoint(config, &parts.method, &parts.uri, &parts.extensions);
+    Scope::from_parts(principal.as_ref().map(Principal::as_str), &endpoint, key)
+}
+
+/// The endpoint part of a request's scope, in pieces: the layer's endpoint name, or
+/// `"<METHOD> <path>"` (the route template with `endpoint_from_matched_path`).
+fn endpoint<'a>(
+    config: &'a Config,
+    method: &'a Method,
+    uri: &'a Uri,
+    extensions: &'a Extensions,
+) -> [&'a str; 3] {
     let path = match &config.endpoint {
-        Endpoint::Fixed(name) => {
-            return Scope::from_parts(principal.as_ref().map(Principal::as_str), &[name], key)
-        }
+        Endpoint::Fixed(name) => return [name, "", ""],
         #[cfg(feature = "axum")]
-        Endpoint::MatchedPath => parts
-            .extensions
+        Endpoint::MatchedPath => extensions
             .get::<axum::extract::MatchedPath>()
-            .map_or(parts.uri.path(), |matched| matched.as_str()),
-        Endpoint::MethodAndPath => parts.uri.path(),
+            .map_or(uri.path(), |matched| matched.as_str()),
+        Endpoint::MethodAndPath => uri.path(),
     };
-    Scope::from_parts(
-        principal.as_ref().map(Principal::as_str),
-        &[parts.method.as_str(), " ", path],
-        key,
-    )
+    #[cfg(not(feature = "axum"))]
+    let _ = extensions;
+    [method.as_str(), " ", path]
 }
 
 impl<S: fmt::Debug> fmt::Debug for Idempotency<S> {
@@ -231,7 +252,7 @@ mod tests {
     use super::*;
 
     /// The body `buffer_request` makes of `frames` (data, or trailers where `None`).
-    async fn buffered(frames: &[Option<&str>], limit: usize) -> Result<Bytes, Rejection> {
+    async fn buffered(frames: &[Option<&str>], limit: usize) -> Result<Bytes, Reason> {
         let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = frames
             .iter()
             .map(|frame| {
@@ -268,11 +289,11 @@ mod tests {
     async fn a_body_over_the_limit_is_refused_however_it_is_chunked() {
         assert_eq!(
             buffered(&[Some("ab"), Some("cd")], 3).await,
-            Err(Rejection::BodyTooLarge { limit: 3 })
+            Err(Reason::BodyTooLarge { limit: 3 })
         );
         assert_eq!(
             buffered(&[Some("abcd")], 3).await,
-            Err(Rejection::BodyTooLarge { limit: 3 })
+            Err(Reason::BodyTooLarge { limit: 3 })
         );
         assert_eq!(buffered(&[Some("ab"), Some("c")], 3).await.unwrap(), "abc");
     }

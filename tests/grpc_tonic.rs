@@ -5,21 +5,19 @@
 
 #[macro_use]
 mod support;
-#[path = "../examples/grpc_payments/service.rs"]
-mod service;
 
 use std::{sync::Arc, time::Duration};
 
-use http::uri::PathAndQuery;
-use service::{ChargeRequest, Payment, Payments, Stats, StatsRequest, CHARGE, STATS};
+use support::grpc::{
+    charge, charges_executed,
+    service::{self, ChargeRequest, Payments},
+};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{
-    metadata::MetadataValue,
     transport::{Channel, Server},
-    Code, Request, Response, Status,
+    Code, Response,
 };
-use tonic_prost::ProstCodec;
 use tower_idempotency::{IdempotencyLayer, Store};
 
 for_each_store!(
@@ -50,30 +48,6 @@ async fn serve(store: Arc<dyn Store>, payments: Payments) -> Channel {
         .unwrap()
 }
 
-async fn charge(
-    channel: &Channel,
-    key: Option<&str>,
-    charge: ChargeRequest,
-) -> Result<Response<Payment>, Status> {
-    let mut grpc = tonic::client::Grpc::new(channel.clone());
-    grpc.ready().await.unwrap();
-    let mut request = Request::new(charge);
-    if let Some(key) = key {
-        request
-            .metadata_mut()
-            .insert("idempotency-key", MetadataValue::try_from(key).unwrap());
-    }
-    request
-        .metadata_mut()
-        .insert("authorization", MetadataValue::from_static("Bearer alice"));
-    grpc.unary(
-        request,
-        PathAndQuery::from_static(CHARGE),
-        ProstCodec::<ChargeRequest, Payment>::default(),
-    )
-    .await
-}
-
 fn request(amount: i64, simulate: &str, delay_ms: i64) -> ChargeRequest {
     ChargeRequest {
         amount,
@@ -85,26 +59,6 @@ fn request(amount: i64, simulate: &str, delay_ms: i64) -> ChargeRequest {
 
 fn replayed<T>(response: &Response<T>) -> bool {
     response.metadata().get("idempotent-replayed").is_some()
-}
-
-/// `Stats`: executions, never replays (not keyed, so outside the layer's protection).
-async fn charges_executed(channel: &Channel) -> i64 {
-    let mut grpc = tonic::client::Grpc::new(channel.clone());
-    grpc.ready().await.unwrap();
-    let mut request = Request::new(StatsRequest {});
-    request.metadata_mut().insert(
-        "idempotency-key",
-        MetadataValue::try_from(support::payments::fresh_key()).unwrap(),
-    );
-    let stats = grpc
-        .unary(
-            request,
-            PathAndQuery::from_static(STATS),
-            ProstCodec::<StatsRequest, Stats>::default(),
-        )
-        .await
-        .unwrap();
-    stats.into_inner().charges_executed
 }
 
 async fn a_charge_runs_once_and_replays_over_grpc(store: Arc<dyn Store>) {
@@ -223,20 +177,10 @@ async fn the_grpc_payments_example_keeps_its_contract() {
     assert_eq!(retry.get_ref(), first.get_ref());
     let missing = charge(&one, None, request(1, "", 0)).await.unwrap_err();
     assert_eq!(missing.code(), Code::InvalidArgument);
-    let stats = |channel: Channel| async move {
-        let mut grpc = tonic::client::Grpc::new(channel);
-        grpc.ready().await.unwrap();
-        let reply = grpc
-            .unary(
-                Request::new(StatsRequest {}),
-                PathAndQuery::from_static(STATS),
-                ProstCodec::<StatsRequest, Stats>::default(),
-            )
-            .await
-            .unwrap();
-        reply.into_inner().charges_executed
-    };
-    assert_eq!(stats(one).await + stats(two).await, 1);
+    assert_eq!(
+        charges_executed(&one).await + charges_executed(&two).await,
+        1
+    );
 }
 
 struct KillOnDrop(std::process::Child);

@@ -403,7 +403,7 @@ impl Drop for Server {
 async fn serve(store: Arc<dyn Store>) -> (Api, Server) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("local address");
-    let (router, _stats) = app::router(store, app::Timing::default());
+    let (router, _stats) = app::router(store, app::Settings::default());
     let task = tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
     (Api::new(addr), Server(task))
 }

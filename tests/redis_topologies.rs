@@ -1324,10 +1324,10 @@ impl Drop for Instance {
 }
 
 async fn serve(store: Arc<dyn Store>) -> Instance {
-    serve_with(store, app::Timing::default()).await
+    serve_with(store, app::Settings::default()).await
 }
 
-async fn serve_with(store: Arc<dyn Store>, timing: app::Timing) -> Instance {
+async fn serve_with(store: Arc<dyn Store>, timing: app::Settings) -> Instance {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("local address");
     let (router, stats) = app::router(store, timing);
@@ -1406,12 +1406,12 @@ impl Replication {
     /// the new master has: those keys stay in progress until their lease runs out, and
     /// their retries execute again only then. A lease of 10 s (rather than 30 s) lets the
     /// re-sent payments find that out within the test.
-    fn timing(self) -> app::Timing {
+    fn timing(self) -> app::Settings {
         match self {
-            Self::Live => app::Timing::default(),
-            Self::Stalled => app::Timing {
+            Self::Live => app::Settings::default(),
+            Self::Stalled => app::Settings {
                 lease: Duration::from_secs(10),
-                ..app::Timing::default()
+                ..app::Settings::default()
             },
         }
     }

@@ -165,7 +165,7 @@ async fn graceful_shutdown_waits_for_detached_executions_redis() {
 async fn graceful_shutdown_waits_for_detached_executions(store: Arc<dyn Store>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("local address");
-    let (router, stats) = app::router(store.clone(), app::Timing::default());
+    let (router, stats) = app::router(store.clone(), app::Settings::default());
     let (shut_down, shutdown) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         axum::serve(listener, router)
@@ -700,7 +700,7 @@ async fn terminate_backends(control: &tokio_postgres::Client, application: &str)
 async fn serve(store: Arc<dyn Store>) -> (Api, Arc<app::Stats>, Server) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("local address");
-    let (router, stats) = app::router(store, app::Timing::default());
+    let (router, stats) = app::router(store, app::Settings::default());
     let task = tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
     (Api::new(addr), stats, Server(task))
 }

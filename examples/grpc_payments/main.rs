@@ -42,6 +42,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(lease) = store::env_secs("IDEMPOTENCY_LEASE_SECS")? {
         layer = layer.lease(lease);
     }
+    // Shapes HTTP errors only: gRPC requests keep getting gRPC statuses.
+    if let Some(problems) = store::problems_from_env()? {
+        layer = layer.render_rejections(problems);
+    }
     let in_flight = layer.in_flight();
     let payments = service::Payments::default();
     let service = ChargesKeyed {

@@ -18,7 +18,7 @@ use axum::{
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use tower_idempotency::{IdempotencyLayer, InFlight, Store};
+use tower_idempotency::{IdempotencyLayer, InFlight, ProblemDetails, Store};
 
 /// Handler executions (never replays), and what makes ids unique across restarts.
 #[derive(Debug)]
@@ -58,29 +58,43 @@ impl Stats {
     }
 }
 
-/// How long completed responses are kept and how long a claim's lease runs.
-#[derive(Clone, Copy, Debug)]
-pub struct Timing {
+/// The layer's settings the environment can change.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// How long completed responses are kept.
     pub ttl: Duration,
+    /// How long a claim's lease runs.
     pub lease: Duration,
+    /// `Some`: rejections as IETF problem details; `None`: the crate's JSON errors.
+    pub problems: Option<ProblemDetails>,
+    /// The largest response recorded; `None`: the layer's default.
+    pub max_response_body: Option<usize>,
 }
 
-impl Default for Timing {
+impl Default for Settings {
     fn default() -> Self {
         Self {
             ttl: Duration::from_secs(24 * 3600),
             lease: Duration::from_secs(30),
+            problems: None,
+            max_response_body: None,
         }
     }
 }
 
 /// The whole service: `/v1/payments` and `/v1/tokens` require a key, `/v1/refunds` takes
 /// one optionally, `/v1/stats` is outside the idempotency layer.
-pub fn router(store: Arc<dyn Store>, timing: Timing) -> (Router, Arc<Stats>) {
-    let layer = IdempotencyLayer::from_shared(store)
-        .ttl(timing.ttl)
-        .lease(timing.lease)
+pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>) {
+    let mut layer = IdempotencyLayer::from_shared(store)
+        .ttl(settings.ttl)
+        .lease(settings.lease)
         .principal(bearer_user);
+    if let Some(problems) = settings.problems {
+        layer = layer.render_rejections(problems);
+    }
+    if let Some(bytes) = settings.max_response_body {
+        layer = layer.max_response_body(bytes);
+    }
     let stats = Arc::new(Stats::new(layer.in_flight()));
     let app = Router::new()
         .route(

@@ -13,7 +13,10 @@
 //! makes each claim and completion on Redis wait for `n` replicas (for at most
 //! `IDEMPOTENCY_REPLICAS_TIMEOUT_MS`, default 1000); `IDEMPOTENCY_PREFIX` (default
 //! `idempotency:`) starts every Redis key; `IDEMPOTENCY_TTL_SECS`,
-//! `IDEMPOTENCY_LEASE_SECS`; `IDEMPOTENCY_CACHE_RECORDS` (default
+//! `IDEMPOTENCY_LEASE_SECS`; `IDEMPOTENCY_PROFILE=ietf` answers the layer's rejections as
+//! IETF problem details (`application/problem+json`, `422` for a reused key);
+//! `IDEMPOTENCY_MAX_RESPONSE_BODY` (bytes) caps recorded responses;
+//! `IDEMPOTENCY_CACHE_RECORDS` (default
 //! 100000, 0 to turn off) sizes the local cache of completed records kept in front of Redis
 //! or PostgreSQL; `PAYMENTS_STATS=payments` makes
 //! `GET /v1/stats` report the payments counter alone, for load harnesses that read one
@@ -32,16 +35,23 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     store::init_logging();
 
-    let mut timing = app::Timing::default();
+    let mut settings = app::Settings::default();
     if let Some(secs) = store::env_secs("IDEMPOTENCY_TTL_SECS")? {
-        timing.ttl = secs;
+        settings.ttl = secs;
     }
     if let Some(secs) = store::env_secs("IDEMPOTENCY_LEASE_SECS")? {
-        timing.lease = secs;
+        settings.lease = secs;
+    }
+    settings.problems = store::problems_from_env()?;
+    if let Ok(value) = std::env::var("IDEMPOTENCY_MAX_RESPONSE_BODY") {
+        let bytes = value.parse().map_err(|_| {
+            format!("IDEMPOTENCY_MAX_RESPONSE_BODY={value} is not a number of bytes")
+        })?;
+        settings.max_response_body = Some(bytes);
     }
     let store = store::from_env().await?;
-    tracing::info!(?store, ?timing, "payments store");
-    let (app, stats) = app::router(store, timing);
+    tracing::info!(?store, ?settings, "payments store");
+    let (app, stats) = app::router(store, settings);
     if std::env::var("PAYMENTS_STATS").as_deref() == Ok("payments") {
         stats.report_payments_only();
     }

@@ -3,7 +3,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use tower_idempotency::{store::CachedStore, MemoryStore, Store};
+use tower_idempotency::{store::CachedStore, MemoryStore, ProblemDetails, Store};
 
 /// The store the environment names: a Redis Cluster, a Sentinel-managed primary, one
 /// Redis, PostgreSQL, else memory; a local cache of completed records in front of a shared
@@ -94,6 +94,22 @@ async fn redis_store() -> Result<Option<tower_idempotency::RedisStore>, Box<dyn 
         Ok(prefix) => store.prefix(prefix),
         Err(_) => store,
     }))
+}
+
+/// Where the example's problem details point: every problem's `type` and `describedby` link.
+pub const PROBLEM_DOCS: &str =
+    "https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.ProblemDetails.html";
+
+/// The layer's rejections as `IDEMPOTENCY_PROFILE` names them: `ietf` for the IETF draft's
+/// problem details; unset (or `json`) for the crate's JSON errors.
+pub fn problems_from_env() -> Result<Option<ProblemDetails>, String> {
+    match std::env::var("IDEMPOTENCY_PROFILE").as_deref() {
+        Ok("ietf") => Ok(Some(ProblemDetails::new(PROBLEM_DOCS))),
+        Ok("json") | Err(_) => Ok(None),
+        Ok(other) => Err(format!(
+            "IDEMPOTENCY_PROFILE={other}: expected ietf or json"
+        )),
+    }
 }
 
 /// A whole number of seconds from environment variable `name`, if set.

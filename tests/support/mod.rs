@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 pub mod app;
+#[cfg(feature = "tonic")]
+pub mod grpc;
 pub mod logs;
 pub mod payments;
 pub mod redis_server;
