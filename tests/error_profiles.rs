@@ -313,7 +313,14 @@ async fn every_rejection_over_http(profile: Profile) {
     // A body over the default limit.
     let padding = "x".repeat(DEFAULT_LIMIT as usize);
     let oversized = json!({ "amount": 100, "currency": "usd", "padding": padding });
-    let reply = api.pay(&fresh_key(), "alice", &oversized).await;
+    let reply = api
+        .post("/v1/payments")
+        .key(&fresh_key())
+        .user("alice")
+        .json(&oversized)
+        .closing()
+        .send()
+        .await;
     assert_rejection(
         &reply,
         profile,

@@ -157,6 +157,15 @@ impl Post {
         }
     }
 
+    /// Adds `Connection: close`: for a request the server may answer before reading its
+    /// body (a `413`), after which it closes the connection, so that the client's pool
+    /// does not hand that connection to the next request.
+    pub fn closing(self) -> Self {
+        Self {
+            request: self.request.header(reqwest::header::CONNECTION, "close"),
+        }
+    }
+
     /// Sends `body` as JSON.
     pub fn json(self, body: &Value) -> Self {
         Self {
