@@ -103,6 +103,7 @@ macro_rules! __store_conformance_cases {
                 claim_resent_by_holder_keeps_the_claim
                 scopes_never_interfere
                 concurrent_claims_have_one_winner
+                watches_wake_on_completion_and_release
             ]
         }
     };
@@ -620,6 +621,33 @@ pub async fn concurrent_claims_have_one_winner(store: &dyn Store) {
     sleep_until(Instant::now() + SHORT + MARGIN).await;
     let step = format!("{RACERS} concurrent claims of a key whose holder's lease ran out");
     case.race(&step, &scope).await;
+}
+
+/// Where the store announces ([`Store::watch`] returns a watch), a watch made on a key
+/// wakes when its holder completes it, and a watch on another key when its holder releases
+/// it. A store that announces nothing (its waiters poll) passes.
+pub async fn watches_wake_on_completion_and_release(store: &dyn Store) {
+    let case = Case::new("watches_wake_on_completion_and_release", store);
+    for (label, completes) in [("completed", true), ("released", false)] {
+        let scope = case.scope(label);
+        let watch = store.watch(&scope).await;
+        let watch = watch.unwrap_or_else(|error| case.fail("the watch", error));
+        let Some(mut watch) = watch else {
+            return;
+        };
+        let holder = case.claimed("the claim", &scope, HOLDER, LONG).await;
+        if completes {
+            let response = small_response();
+            holder
+                .complete("the completion", &response, LONG, Fenced::Applied)
+                .await;
+        } else {
+            holder.release("the release", Fenced::Applied).await;
+        }
+        if tokio::time::timeout(LONG, watch.changed()).await.is_err() {
+            case.fail(label, "the watch was not woken");
+        }
+    }
 }
 
 /// One case's run: its name for failures, the store, and what tells its scopes apart from

@@ -30,7 +30,7 @@ use crate::{
     replay::replay,
     request_body::HandOnBody,
     store::{self, Claim, Fenced, Store},
-    ClaimToken, Fingerprint, Scope, StoredResponse,
+    wait, ClaimToken, Fingerprint, Scope, StoredResponse,
 };
 
 /// The first pause before writing an outcome again after the store failed the write, and
@@ -74,20 +74,18 @@ where
             Ok(rejection.into_response(protocol(), &config))
         };
         let token = ClaimToken::unique();
-        let claim = {
-            let abandoned = AbandonedClaim::arm(&store, &config, &scope, token);
-            let claim = store
-                .claim_with_token(&scope, fingerprint, token, config.lease)
-                .await;
-            // A claim that failed (a timeout, a dropped connection) may still have been applied:
-            // it is released like an abandoned one, so it cannot hold the key for a lease.
-            // One the store could not take needs no release, and during an outage sending
-            // one would only double the failed attempts.
-            if matches!(claim, Ok(_) | Err(store::Error::Unavailable(_))) {
-                abandoned.disarm();
+        let mut claim = claim_key(&store, &config, &scope, fingerprint, token).await;
+        // A duplicate of a running request may wait for its outcome (opt-in, bounded).
+        let duplicate = matches!(&claim, Ok(Claim::InProgress { fingerprint: theirs, .. }) if *theirs == fingerprint);
+        if let (true, Some(bound)) = (duplicate, config.wait) {
+            if let Some(_waiting) = config.waiters.enter(config.max_waiting) {
+                let again = || claim_key(&store, &config, &scope, fingerprint, token);
+                // Boxed: kept in place, this rare path would make every request's future
+                // larger.
+                let waited = wait::for_original(&*store, &scope, fingerprint, bound, again);
+                claim = Box::pin(waited).await;
             }
-            claim
-        };
+        }
         match claim {
             Ok(Claim::Claimed(_)) => {}
             Ok(Claim::InProgress {
@@ -155,6 +153,28 @@ where
         let request = Request::from_parts(parts, ReqBody::buffered(body));
         FinishOnDrop::new(held.execute(inner, fingerprint, request)).await
     }
+}
+
+/// Claims `scope` with `token`, or reads what holds it.
+async fn claim_key(
+    store: &Arc<dyn Store>,
+    config: &Arc<Config>,
+    scope: &Scope,
+    fingerprint: Fingerprint,
+    token: ClaimToken,
+) -> store::Result<Claim> {
+    let abandoned = AbandonedClaim::arm(store, config, scope, token);
+    let claim = store
+        .claim_with_token(scope, fingerprint, token, config.lease)
+        .await;
+    // A claim that failed (a timeout, a dropped connection) may still have been applied: it
+    // is released like an abandoned one, so it cannot hold the key for a lease. One the
+    // store could not take needs no release, and during an outage sending one would only
+    // double the failed attempts.
+    if matches!(claim, Ok(_) | Err(store::Error::Unavailable(_))) {
+        abandoned.disarm();
+    }
+    claim
 }
 
 /// When a duplicate should come back: after as long again as the holder has been running

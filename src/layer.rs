@@ -12,7 +12,11 @@ use crate::{
     rejection::RenderRejection,
     service::Idempotency,
     store::Store,
+    wait::Waiters,
 };
+
+/// How many requests of one layer may wait for their originals at once, by default.
+const DEFAULT_MAX_WAITING: usize = 10_000;
 
 /// Applies [`Idempotency`] to a service: requests carrying an `Idempotency-Key` execute once
 /// and every retry gets the first response back.
@@ -56,6 +60,10 @@ pub(crate) struct Config {
     pub(crate) principal: BoxedPrincipal,
     pub(crate) endpoint: Endpoint,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    /// `Some`: duplicates of a key in progress wait up to this long for its outcome.
+    pub(crate) wait: Option<Duration>,
+    pub(crate) max_waiting: usize,
+    pub(crate) waiters: Waiters,
     /// `None`: the default JSON errors, [`Rejection::json_response`](crate::Rejection::json_response).
     pub(crate) render_rejections: Option<Arc<dyn RenderRejection>>,
     pub(crate) in_flight: InFlight,
@@ -90,6 +98,9 @@ impl Default for Config {
             endpoint: Endpoint::MethodAndPath,
             fingerprint_headers: Vec::new(),
             render_rejections: None,
+            wait: None,
+            max_waiting: DEFAULT_MAX_WAITING,
+            waiters: Waiters::default(),
             in_flight: InFlight::default(),
         }
     }
@@ -396,6 +407,50 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Let a duplicate that finds its key in progress (same request, same fingerprint) wait
+    /// up to `bound` for the original's outcome instead of answering
+    /// `409 request_in_progress` at once: when the original completes it gets the replay;
+    /// when the original is released (5xx, error, panic) or its holder crashed (the lease ran
+    /// out), it claims the key and executes, since the outcome was unknown; past `bound` it
+    /// gets the `409` with `Retry-After`. A key reused with other parameters never waits.
+    ///
+    /// Waiters are woken by the store's announcements ([`Store::watch`]): at once by the
+    /// memory store; a store that announces nothing is read again every 20 ms, doubling up
+    /// to 200 ms. At most [`max_waiting`](Self::max_waiting) requests wait at once; a
+    /// waiter whose client goes away leaves nothing behind. Default: no waiting.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// // A double-tapped "Pay" gets the payment, not an error to retry.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .wait_for_original(Duration::from_secs(5));
+    /// ```
+    pub fn wait_for_original(mut self, bound: Duration) -> Self {
+        self.config().wait = Some(bound);
+        self
+    }
+
+    /// How many requests may wait for their originals at once (see
+    /// [`wait_for_original`](Self::wait_for_original)); beyond it, duplicates get the `409`
+    /// at once. Default: 10 000.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .wait_for_original(Duration::from_secs(5))
+    ///     .max_waiting(500);
+    /// ```
+    pub fn max_waiting(mut self, waiters: usize) -> Self {
+        self.config().max_waiting = waiters;
+        self
+    }
+
     /// Render the layer's rejections of HTTP requests (a missing key, a key in progress,
     /// ...) as the application's API renders its errors, or as the IETF draft does with
     /// [`ProblemDetails`](crate::ProblemDetails). gRPC requests keep getting gRPC statuses.
@@ -451,6 +506,8 @@ impl fmt::Debug for Config {
             .field("endpoint", &self.endpoint)
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("custom_rejections", &self.render_rejections.is_some())
+            .field("wait", &self.wait)
+            .field("max_waiting", &self.max_waiting)
             .finish_non_exhaustive()
     }
 }

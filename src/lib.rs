@@ -59,6 +59,7 @@ mod request_body;
 mod scope;
 mod service;
 pub mod store;
+mod wait;
 
 /// The Redis driver the store is built on, so applications use a matching version.
 #[cfg(feature = "redis")]

@@ -69,6 +69,8 @@ pub struct Settings {
     pub problems: Option<ProblemDetails>,
     /// The largest response recorded; `None`: the layer's default.
     pub max_response_body: Option<usize>,
+    /// How long a duplicate of a running payment waits for its outcome; `None`: no waiting.
+    pub wait: Option<Duration>,
 }
 
 impl Default for Settings {
@@ -78,6 +80,7 @@ impl Default for Settings {
             lease: Duration::from_secs(30),
             problems: None,
             max_response_body: None,
+            wait: None,
         }
     }
 }
@@ -94,6 +97,9 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
     }
     if let Some(bytes) = settings.max_response_body {
         layer = layer.max_response_body(bytes);
+    }
+    if let Some(bound) = settings.wait {
+        layer = layer.wait_for_original(bound);
     }
     let stats = Arc::new(Stats::new(layer.in_flight()));
     let app = Router::new()

@@ -16,6 +16,8 @@
 //! `IDEMPOTENCY_LEASE_SECS`; `IDEMPOTENCY_PROFILE=ietf` answers the layer's rejections as
 //! IETF problem details (`application/problem+json`, `422` for a reused key);
 //! `IDEMPOTENCY_MAX_RESPONSE_BODY` (bytes) caps recorded responses;
+//! `IDEMPOTENCY_WAIT_MS` lets a duplicate of a running request wait that long for its
+//! outcome instead of answering `409`;
 //! `IDEMPOTENCY_CACHE_RECORDS` (default
 //! 100000, 0 to turn off) sizes the local cache of completed records kept in front of Redis
 //! or PostgreSQL; `PAYMENTS_STATS=payments` makes
@@ -48,6 +50,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             format!("IDEMPOTENCY_MAX_RESPONSE_BODY={value} is not a number of bytes")
         })?;
         settings.max_response_body = Some(bytes);
+    }
+    if let Ok(value) = std::env::var("IDEMPOTENCY_WAIT_MS") {
+        let millis = value
+            .parse()
+            .map_err(|_| format!("IDEMPOTENCY_WAIT_MS={value} is not milliseconds"))?;
+        settings.wait = Some(Duration::from_millis(millis));
     }
     let store = store::from_env().await?;
     tracing::info!(?store, ?settings, "payments store");

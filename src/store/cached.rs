@@ -10,7 +10,7 @@ use async_trait::async_trait;
 
 use super::{
     shards::{Hashed, Shards, Table, SHARDS},
-    Claim, Fenced, Result, Store,
+    Claim, Fenced, Result, Store, Watch,
 };
 use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 
@@ -175,5 +175,9 @@ impl<S: Store> Store for CachedStore<S> {
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
         self.inner.extend(scope, token, lease).await
+    }
+
+    async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
+        self.inner.watch(scope).await
     }
 }

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 
 use super::{
     shards::{Hashed, Shards, Table, SHARDS},
-    Claim, Error, Fenced, Result, Store,
+    Announcements, Claim, Error, Fenced, Result, Store, Watch,
 };
 use crate::{ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
@@ -40,6 +40,7 @@ pub struct MemoryStore {
 struct Inner {
     shards: Shards<Shard>,
     max_records_per_shard: usize,
+    announcements: Announcements,
 }
 
 struct Shard {
@@ -92,8 +93,14 @@ impl MemoryStore {
             inner: Arc::new(Inner {
                 shards,
                 max_records_per_shard: (max / SHARDS).max(1),
+                announcements: Announcements::default(),
             }),
         }
+    }
+
+    /// How many keys requests wait on now (each key once, however many wait on it).
+    pub fn watched(&self) -> usize {
+        self.inner.announcements.watched()
     }
 
     /// How many records the store holds, expired ones not yet evicted included.
@@ -231,6 +238,8 @@ impl Store for MemoryStore {
                     response,
                 };
                 entry.expires_at = now + ttl;
+                drop(shard);
+                self.inner.announcements.announce(scope.storage_key());
                 Ok(Fenced::Applied)
             }
             Some(entry) if entry.is_completed_by(token, now) => Ok(Fenced::Applied),
@@ -244,6 +253,8 @@ impl Store for MemoryStore {
         match shard.records.get(key) {
             Some(entry) if entry.is_held_by(token, Instant::now()) => {
                 shard.records.remove(key);
+                drop(shard);
+                self.inner.announcements.announce(scope.storage_key());
                 Ok(Fenced::Applied)
             }
             _ => Ok(Fenced::Lost),
@@ -254,6 +265,10 @@ impl Store for MemoryStore {
         Ok(self.fenced(scope, token, |entry| {
             entry.expires_at = Instant::now() + lease
         }))
+    }
+
+    async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
+        Ok(Some(self.inner.announcements.watch(scope.storage_key())))
     }
 }
 

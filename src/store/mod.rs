@@ -6,6 +6,7 @@ use async_trait::async_trait;
 
 use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 
+mod announce;
 mod cached;
 #[cfg(feature = "memory")]
 mod memory;
@@ -21,6 +22,7 @@ pub use self::postgres::{PostgresStore, PostgresStoreError};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{RedisStore, RedisStoreError};
+pub use announce::{Announcements, Watch};
 pub use cached::CachedStore;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
@@ -292,6 +294,20 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// If `scope` holds the in-progress record made with `token`, renew its lease to
     /// `lease` from now.
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced>;
+
+    /// A [`Watch`] on `scope`'s record that wakes when a completion or a release of it is
+    /// announced, by this process or, where the store relays its backend's notifications,
+    /// any other: for requests that wait for the original of their key
+    /// ([`IdempotencyLayer::wait_for_original`](crate::IdempotencyLayer::wait_for_original)).
+    /// The watch must see every announcement made after this returns.
+    ///
+    /// `None` (the default) when the store announces nothing: a waiter then reads the key
+    /// again every 20 ms, doubling up to 200 ms, until its bound. A store that announces
+    /// keeps an [`Announcements`] board, announces on it each completion and release it
+    /// applies (and each one its backend reports from elsewhere), and returns its watches.
+    async fn watch(&self, _scope: &Scope) -> Result<Option<Watch>> {
+        Ok(None)
+    }
 }
 
 /// The future of a [`Store`] operation, as `#[async_trait]` writes it.
@@ -359,5 +375,14 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         Self: 'f,
     {
         (**self).extend(scope, token, lease)
+    }
+
+    fn watch<'s, 'scope, 'f>(&'s self, scope: &'scope Scope) -> StoreFuture<'f, Option<Watch>>
+    where
+        's: 'f,
+        'scope: 'f,
+        Self: 'f,
+    {
+        (**self).watch(scope)
     }
 }

@@ -1,0 +1,204 @@
+//! Announcements of changed records, for requests waiting on a key in progress.
+
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+};
+
+use tokio::sync::Notify;
+
+/// An in-process board on which a store announces that a key's record changed (completed
+/// or released), and from which waiters take a [`Watch`] on one key. A store with
+/// notifications of its own (Redis pub/sub, PostgreSQL `NOTIFY`) relays each one here.
+///
+/// Only keys somebody watches take room: a key's entry goes with its last watch.
+#[derive(Clone, Default)]
+pub struct Announcements {
+    board: Arc<Board>,
+}
+
+#[derive(Default)]
+struct Board {
+    keys: Mutex<HashMap<String, Arc<Slot>>>,
+    /// How many keys are watched, readable without the lock: an announcement nobody
+    /// waits for (nearly all of them) costs one atomic read. A watch is counted before
+    /// its waiter reads the record again, and an announcement made after a store wrote
+    /// it, so an announcement that reads none comes before a read that sees its write.
+    watched: AtomicUsize,
+}
+
+/// One watched key: how many changes were announced, and who to wake.
+#[derive(Default)]
+struct Slot {
+    changes: AtomicU64,
+    announced: Notify,
+}
+
+/// A watch on one key's record, made by [`Announcements::watch`] (through
+/// [`Store::watch`](crate::Store::watch)): [`changed`](Self::changed) returns once a change
+/// was announced after the watch was made. Make it before reading the record, and no
+/// change between the read and the wait is missed.
+pub struct Watch {
+    key: String,
+    slot: Arc<Slot>,
+    seen: u64,
+    announcements: Announcements,
+}
+
+impl Announcements {
+    /// A board with nothing watched.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Watches `key` (a storage key: [`Scope::storage_key`](crate::Scope::storage_key)).
+    pub fn watch(&self, key: &str) -> Watch {
+        let mut keys = self.lock();
+        let slot = keys
+            .entry(key.to_owned())
+            .or_insert_with(|| {
+                self.board.watched.fetch_add(1, Ordering::SeqCst);
+                Arc::default()
+            })
+            .clone();
+        let seen = slot.changes.load(Ordering::Acquire);
+        Watch {
+            key: key.to_owned(),
+            slot,
+            seen,
+            announcements: self.clone(),
+        }
+    }
+
+    /// Announces that `key`'s record changed: wakes every watch on it. Costs one atomic
+    /// read when nobody watches any key.
+    pub fn announce(&self, key: &str) {
+        if self.board.watched.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let keys = self.lock();
+        if let Some(slot) = keys.get(key) {
+            slot.changes.fetch_add(1, Ordering::AcqRel);
+            slot.announced.notify_waiters();
+        }
+    }
+
+    /// How many keys are watched now.
+    pub fn watched(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether anybody watches `key`.
+    pub fn is_watched(&self, key: &str) -> bool {
+        self.lock().contains_key(key)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Slot>>> {
+        // A panic while holding this lock leaves the map whole: keep using it.
+        let keys = self.board.keys.lock();
+        keys.unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Watch {
+    /// Returns once a change to the key was announced since the watch was made, or since
+    /// this last returned.
+    pub async fn changed(&mut self) {
+        loop {
+            let announced = self.slot.announced.notified();
+            tokio::pin!(announced);
+            // Registered before the count is read: an announcement in between still wakes.
+            announced.as_mut().enable();
+            let changes = self.slot.changes.load(Ordering::Acquire);
+            if changes != self.seen {
+                self.seen = changes;
+                return;
+            }
+            announced.await;
+        }
+    }
+
+    /// The storage key watched.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let mut keys = self.announcements.lock();
+        // The map's reference and this one: no other watch is left.
+        if Arc::strong_count(&self.slot) == 2 && keys.remove(&self.key).is_some() {
+            let board = &self.announcements.board;
+            board.watched.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl fmt::Debug for Announcements {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Announcements")
+            .field("watched", &self.watched())
+            .finish()
+    }
+}
+
+impl fmt::Debug for Watch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Watch").field("key", &self.key).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_watch_sees_what_was_announced_after_it_was_made() {
+        let board = Announcements::new();
+        board.announce("k"); // Nobody watches: nothing kept.
+        assert_eq!(board.watched(), 0);
+        let mut watch = board.watch("k");
+        let mut other = board.watch("other");
+        assert_eq!(board.watched(), 2);
+        // Announced before the wait begins: not missed.
+        board.announce("k");
+        tokio::time::timeout(Duration::from_secs(1), watch.changed())
+            .await
+            .expect("the announcement");
+        // Nothing new since: it waits.
+        let waiting = tokio::time::timeout(Duration::from_millis(20), watch.changed()).await;
+        assert!(waiting.is_err());
+        let waiting = tokio::time::timeout(Duration::from_millis(20), other.changed()).await;
+        assert!(waiting.is_err(), "another key's announcement");
+        drop(watch);
+        drop(other);
+        assert_eq!(board.watched(), 0, "the last watch takes its key's entry");
+    }
+
+    #[tokio::test]
+    async fn one_announcement_wakes_every_watch_on_the_key() {
+        let board = Announcements::new();
+        let watches: Vec<_> = (0..100).map(|_| board.watch("k")).collect();
+        assert_eq!(board.watched(), 1);
+        let woken = watches
+            .into_iter()
+            .map(|mut watch| tokio::spawn(async move { watch.changed().await }));
+        let woken: Vec<_> = woken.collect();
+        tokio::task::yield_now().await;
+        board.announce("k");
+        for task in woken {
+            tokio::time::timeout(Duration::from_secs(1), task)
+                .await
+                .expect("woken")
+                .unwrap();
+        }
+        assert_eq!(board.watched(), 0);
+    }
+}

@@ -1,0 +1,231 @@
+//! Duplicates that wait for their original (`wait_for_original`), against every store: the
+//! memory store wakes them by its announcements, the others by reading the key again.
+
+#[macro_use]
+mod support;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::http::StatusCode;
+use tower_idempotency::{Fingerprint, MemoryStore, Store};
+
+use support::app::*;
+
+for_each_store!(
+    a_waiting_duplicate_gets_the_replay_of_the_original,
+    a_waiting_duplicate_executes_when_the_original_is_released,
+    a_waiting_duplicate_executes_when_the_holder_crashed,
+    past_its_bound_a_duplicate_gets_the_conflict,
+    beyond_the_cap_duplicates_get_the_conflict_at_once,
+    a_key_reused_with_other_parameters_never_waits,
+);
+
+const BOUND: Duration = Duration::from_secs(10);
+
+fn waiting_layer(store: &Arc<dyn Store>) -> tower_idempotency::IdempotencyLayer {
+    layer(store).wait_for_original(BOUND)
+}
+
+/// Sends `request` in a task of its own.
+fn spawn_send(app: &axum::Router, request: Req) -> tokio::task::JoinHandle<Answer> {
+    let app = app.clone();
+    tokio::spawn(async move { send(&app, request).await })
+}
+
+/// Gives a task time to reach its wait, and checks it is still waiting.
+async fn still_waiting(task: &tokio::task::JoinHandle<Answer>) {
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        !task.is_finished(),
+        "the duplicate answered while the original ran"
+    );
+}
+
+async fn a_waiting_duplicate_gets_the_replay_of_the_original(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, waiting_layer(&store));
+    let original = spawn_send(&app, post_waiting("w").body("amount=1"));
+    until_executing(&handler, 1).await;
+    let duplicates: Vec<_> = (0..3)
+        .map(|_| spawn_send(&app, post("/pay").key("w").body("amount=1")))
+        .collect();
+    for duplicate in &duplicates {
+        still_waiting(duplicate).await;
+    }
+    handler.gate.add_permits(1);
+    let original = original.await.unwrap();
+    assert_eq!(original.status, StatusCode::CREATED);
+    for duplicate in duplicates {
+        let duplicate = duplicate.await.unwrap();
+        assert!(duplicate.replayed());
+        assert_eq!(
+            (duplicate.status, &duplicate.body),
+            (original.status, &original.body)
+        );
+    }
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn a_waiting_duplicate_executes_when_the_original_is_released(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, waiting_layer(&store));
+    // The original answers 503 (released: its outcome was unknown).
+    let original = spawn_send(&app, post_waiting("r").header("x-status", "503"));
+    until_executing(&handler, 1).await;
+    let duplicate = spawn_send(&app, post("/pay").key("r"));
+    still_waiting(&duplicate).await;
+    handler.gate.add_permits(1);
+    assert_eq!(
+        original.await.unwrap().status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert!(!duplicate.replayed(), "the duplicate executed");
+    assert_eq!(handler.executions(), 2);
+}
+
+async fn a_waiting_duplicate_executes_when_the_holder_crashed(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, waiting_layer(&store));
+    // A holder that claimed the key and died: nobody completes or releases it, its lease
+    // runs out.
+    let parts = axum::http::Request::post("/pay")
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    let fingerprint = Fingerprint::of(&parts, &[], b"");
+    let lease = Duration::from_millis(400);
+    store.claim(&scope("c"), fingerprint, lease).await.unwrap();
+    let duplicate = send(&app, post("/pay").key("c")).await;
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert!(!duplicate.replayed());
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn past_its_bound_a_duplicate_gets_the_conflict(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(
+        &handler,
+        layer(&store).wait_for_original(Duration::from_millis(300)),
+    );
+    let original = spawn_send(&app, post_waiting("b"));
+    until_executing(&handler, 1).await;
+    let duplicate = send(&app, post("/pay").key("b")).await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    assert_eq!(duplicate.error(), "request_in_progress");
+    assert!(duplicate.headers.contains_key("retry-after"));
+    handler.gate.add_permits(1);
+    assert_eq!(original.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn beyond_the_cap_duplicates_get_the_conflict_at_once(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, waiting_layer(&store).max_waiting(1));
+    let original = spawn_send(&app, post_waiting("cap"));
+    until_executing(&handler, 1).await;
+    let waiting = spawn_send(&app, post("/pay").key("cap"));
+    still_waiting(&waiting).await;
+    // The one place is taken: the next duplicate does not wait.
+    let turned_away = tokio::time::timeout(BOUND / 2, send(&app, post("/pay").key("cap")))
+        .await
+        .expect("answered without waiting for the original");
+    assert_eq!(turned_away.error(), "request_in_progress");
+    handler.gate.add_permits(1);
+    original.await.unwrap();
+    assert!(waiting.await.unwrap().replayed());
+    // Its place is free again.
+    let original = spawn_send(&app, post_waiting("cap2"));
+    until_executing(&handler, 2).await;
+    let waiting = spawn_send(&app, post("/pay").key("cap2"));
+    still_waiting(&waiting).await;
+    handler.gate.add_permits(1);
+    original.await.unwrap();
+    assert!(waiting.await.unwrap().replayed());
+    assert_eq!(handler.executions(), 2);
+}
+
+async fn a_key_reused_with_other_parameters_never_waits(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, waiting_layer(&store));
+    let original = spawn_send(&app, post_waiting("m").body("amount=1"));
+    until_executing(&handler, 1).await;
+    let reused = tokio::time::timeout(
+        BOUND / 2,
+        send(&app, post("/pay").key("m").body("amount=2")),
+    )
+    .await
+    .expect("answered without waiting");
+    assert_eq!(
+        reused.error(),
+        "idempotency_key_reused_with_different_params"
+    );
+    handler.gate.add_permits(1);
+    original.await.unwrap();
+    assert_eq!(handler.executions(), 1);
+}
+
+/// A waiter whose client goes away leaves nothing behind: no watch on the store, no place
+/// among the waiters.
+#[tokio::test]
+async fn a_waiter_that_goes_away_leaves_nothing_behind() {
+    let memory = MemoryStore::new();
+    let store: Arc<dyn Store> = Arc::new(memory.clone());
+    let handler = Handler::default();
+    let app = router(&handler, waiting_layer(&store).max_waiting(2));
+    let original = spawn_send(&app, post_waiting("gone"));
+    until_executing(&handler, 1).await;
+    let waiters: Vec<_> = (0..2)
+        .map(|_| spawn_send(&app, post("/pay").key("gone")))
+        .collect();
+    for waiter in &waiters {
+        still_waiting(waiter).await;
+    }
+    assert_eq!(
+        memory.watched(),
+        1,
+        "one watch per key, shared by its waiters"
+    );
+    for waiter in &waiters {
+        waiter.abort();
+    }
+    for waiter in waiters {
+        assert!(waiter.await.unwrap_err().is_cancelled());
+    }
+    assert_eq!(memory.watched(), 0);
+    // Both places are free again: two new duplicates wait.
+    let waiters: Vec<_> = (0..2)
+        .map(|_| spawn_send(&app, post("/pay").key("gone")))
+        .collect();
+    for waiter in &waiters {
+        still_waiting(waiter).await;
+    }
+    handler.gate.add_permits(1);
+    original.await.unwrap();
+    for waiter in waiters {
+        assert!(waiter.await.unwrap().replayed());
+    }
+    assert_eq!(memory.watched(), 0);
+    assert_eq!(handler.executions(), 1);
+}
+
+/// The `payments` example with `IDEMPOTENCY_WAIT_MS`: a double-tapped payment gets the
+/// payment, not a `409`.
+#[tokio::test]
+async fn the_payments_example_lets_a_double_tap_wait() {
+    use support::payments::{fresh_key, slow_charge, ExampleProcess};
+
+    let example = ExampleProcess::start(&[("IDEMPOTENCY_WAIT_MS", "10000")]).await;
+    let api = example.api();
+    let key = fresh_key();
+    let first = api.pay_in_background(&key, "alice", &slow_charge(1000));
+    api.wait_for_payments(1).await;
+    let second = api.pay(&key, "alice", &slow_charge(1000)).await;
+    let first = first.await.unwrap();
+    let id = first.assert_payment(700, "usd");
+    assert!(second.replayed());
+    assert_eq!(second.assert_payment(700, "usd"), id);
+    assert_eq!(api.stats().await.payments_executed, 1);
+}
