@@ -7,7 +7,7 @@ mod support;
 use std::{sync::Arc, time::Duration};
 
 use axum::http::StatusCode;
-use tower_idempotency::{Fingerprint, MemoryStore, Store};
+use tower_idempotency::{store::Fenced, Fingerprint, MemoryStore, Store};
 
 use support::app::*;
 
@@ -228,4 +228,142 @@ async fn the_payments_example_lets_a_double_tap_wait() {
     assert!(second.replayed());
     assert_eq!(second.assert_payment(700, "usd"), id);
     assert_eq!(api.stats().await.payments_executed, 1);
+}
+
+/// Two instances on one Redis: a duplicate through B waits for the original running
+/// through A, woken by A's completion published on Redis; B's waiters share one
+/// subscription, which ends with the last of them.
+#[tokio::test]
+async fn across_instances_redis_wakes_waiters_and_leaves_no_subscription() {
+    let prefix = support::unique_prefix("waiting_across");
+    let open = || async {
+        tower_idempotency::RedisStore::open(&support::redis_url())
+            .await
+            .unwrap()
+            .prefix(prefix.clone())
+    };
+    let (a, b) = (open().await, open().await);
+    let handler = Handler::default();
+    let app_a = router(
+        &handler,
+        waiting_layer(&(Arc::new(a.clone()) as Arc<dyn Store>)),
+    );
+    let app_b = router(
+        &handler,
+        waiting_layer(&(Arc::new(b.clone()) as Arc<dyn Store>)),
+    );
+    let original = spawn_send(&app_a, post_waiting("x"));
+    until_executing(&handler, 1).await;
+    let waiters: Vec<_> = (0..3)
+        .map(|_| spawn_send(&app_b, post("/pay").key("x")))
+        .collect();
+    for waiter in &waiters {
+        still_waiting(waiter).await;
+    }
+    assert_eq!(
+        b.watched().await,
+        1,
+        "one subscription for the key's waiters"
+    );
+    let mut redis = redis_connection().await;
+    let channel = b.redis_key(&scope("x"));
+    assert_eq!(subscribers(&mut redis, &channel).await, 1);
+    handler.gate.add_permits(1);
+    let original = original.await.unwrap();
+    for waiter in waiters {
+        let waiter = waiter.await.unwrap();
+        assert!(waiter.replayed());
+        assert_eq!(waiter.body, original.body);
+    }
+    assert_eq!(handler.executions(), 1);
+    // The subscription ends with its last waiter, on this side and on Redis's.
+    eventually_zero(|| async { b.watched().await }).await;
+    eventually_zero(|| async { subscribers(&mut redis_connection().await, &channel).await }).await;
+
+    // A waiter that goes away takes its subscription with it.
+    let original = spawn_send(&app_a, post_waiting("y"));
+    until_executing(&handler, 2).await;
+    let waiter = spawn_send(&app_b, post("/pay").key("y"));
+    still_waiting(&waiter).await;
+    assert_eq!(b.watched().await, 1);
+    waiter.abort();
+    eventually_zero(|| async { b.watched().await }).await;
+    handler.gate.add_permits(1);
+    original.await.unwrap();
+}
+
+/// A watch made on one instance wakes on a completion and on a release made through
+/// another: the announcement comes through Redis, not from reading the key again.
+#[tokio::test]
+async fn a_redis_watch_wakes_on_another_instances_writes() {
+    let prefix = support::unique_prefix("watch_across");
+    let open = || async {
+        tower_idempotency::RedisStore::open(&support::redis_url())
+            .await
+            .unwrap()
+            .prefix(prefix.clone())
+    };
+    let (a, b) = (open().await, open().await);
+    let fingerprint = Fingerprint::from_bytes([7; 32]);
+    for (key, completes) in [("completed", true), ("released", false)] {
+        let scope = scope(key);
+        let mut watch = b.watch(&scope).await.unwrap().expect("Redis announces");
+        let claim = a.claim(&scope, fingerprint, BOUND).await.unwrap();
+        let tower_idempotency::store::Claim::Claimed(token) = claim else {
+            panic!("{claim:?}");
+        };
+        if completes {
+            let response = tower_idempotency::StoredResponse {
+                status: StatusCode::CREATED,
+                headers: Default::default(),
+                body: "done".into(),
+                trailers: None,
+            };
+            let completed = a.complete(&scope, token, fingerprint, &response, BOUND);
+            assert_eq!(completed.await.unwrap(), Fenced::Applied);
+        } else {
+            assert_eq!(a.release(&scope, token).await.unwrap(), Fenced::Applied);
+        }
+        tokio::time::timeout(BOUND, watch.changed())
+            .await
+            .unwrap_or_else(|_| panic!("{key}: not announced"));
+    }
+}
+
+async fn redis_connection() -> tower_idempotency::redis::aio::MultiplexedConnection {
+    let client = tower_idempotency::redis::Client::open(support::redis_url()).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
+/// How many connections Redis counts as subscribed to `channel`.
+async fn subscribers(
+    redis: &mut tower_idempotency::redis::aio::MultiplexedConnection,
+    channel: &str,
+) -> i64 {
+    let counts: Vec<(String, i64)> = tower_idempotency::redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(redis)
+        .await
+        .unwrap();
+    counts.first().map_or(0, |(_, count)| *count)
+}
+
+/// Waits (bounded) for `count` to reach zero: subscriptions end in the background.
+async fn eventually_zero<F, Fut, N>(mut count: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = N>,
+    N: PartialEq + Default + std::fmt::Debug,
+{
+    let mut last = None;
+    for _ in 0..200 {
+        let now = count().await;
+        if now == N::default() {
+            return;
+        }
+        last = Some(now);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("still {last:?}");
 }

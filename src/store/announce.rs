@@ -47,6 +47,8 @@ pub struct Watch {
     slot: Arc<Slot>,
     seen: u64,
     announcements: Announcements,
+    /// What the store keeps alive while the watch lives (a subscription).
+    _keeping: Option<Box<dyn Send + Sync>>,
 }
 
 impl Announcements {
@@ -71,13 +73,14 @@ impl Announcements {
             slot,
             seen,
             announcements: self.clone(),
+            _keeping: None,
         }
     }
 
     /// Announces that `key`'s record changed: wakes every watch on it. Costs one atomic
     /// read when nobody watches any key.
     pub fn announce(&self, key: &str) {
-        if self.board.watched.load(Ordering::SeqCst) == 0 {
+        if !self.anyone_watching() {
             return;
         }
         let keys = self.lock();
@@ -85,6 +88,12 @@ impl Announcements {
             slot.changes.fetch_add(1, Ordering::AcqRel);
             slot.announced.notify_waiters();
         }
+    }
+
+    /// Whether any key is watched now: one atomic read, for a store to skip the work of
+    /// naming what it would announce.
+    pub fn anyone_watching(&self) -> bool {
+        self.board.watched.load(Ordering::SeqCst) > 0
     }
 
     /// How many keys are watched now.
@@ -122,9 +131,16 @@ impl Watch {
         }
     }
 
-    /// The storage key watched.
+    /// The key watched.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The watch, keeping `guard` alive as long as it lives: for a store whose
+    /// announcements come from a subscription that should end with its last watch.
+    pub fn keeping(mut self, guard: impl Send + Sync + 'static) -> Self {
+        self._keeping = Some(Box::new(guard));
+        self
     }
 }
 

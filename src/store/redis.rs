@@ -4,6 +4,7 @@ mod auto_pipeline;
 mod cluster;
 mod primary;
 mod replicas;
+mod subscriber;
 
 use std::{
     fmt,
@@ -29,8 +30,9 @@ use self::{
     cluster::Cluster,
     primary::Primary,
     replicas::Replicas,
+    subscriber::{Source, Subscriber},
 };
-use super::{Claim, Error, Fenced, Result, Store};
+use super::{Announcements, Claim, Error, Fenced, Result, Store, Watch};
 use crate::{
     record::{self, completed_len, put_completed},
     ClaimToken, Fingerprint, Record, Scope, StoredResponse,
@@ -100,6 +102,7 @@ static COMPLETE: LazyLock<Lua> = LazyLock::new(|| {
     and string.sub(current, 1, -{after_record}) == string.sub(ARGV[2], 1, -{after_record})
     then redis.call('SET', KEYS[1], current, 'KEEPTTL') return 1 end
 {fence} redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('PUBLISH', KEYS[1], '')
 return 1",
         fence = *FENCE,
         after_record = DEADLINE_LEN + 1,
@@ -108,8 +111,12 @@ return 1",
 /// Sent whole (`EVAL`), not by hash: a release often goes out for a claim nobody awaits any
 /// more (its request went away or timed out), and then no one would be there to load the
 /// script and retry if Redis answered `NOSCRIPT`.
-static RELEASE: LazyLock<String> =
-    LazyLock::new(|| format!("{READ} {} redis.call('DEL', KEYS[1]) return 1", *FENCE));
+static RELEASE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{READ} {} redis.call('DEL', KEYS[1]) redis.call('PUBLISH', KEYS[1], '') return 1",
+        *FENCE
+    )
+});
 /// `ARGV[2]` the lease in milliseconds, `ARGV[3]` the new deadline bytes.
 static EXTEND: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(format!(
@@ -186,6 +193,9 @@ pub struct RedisStore {
     native_claim: Arc<AtomicBool>,
     /// Replicas that must have each claim and completion before it counts.
     acks: Option<Replicas>,
+    /// Relays announced completions and releases to waiters; `None` for a store made
+    /// from a connection, which cannot open one of its own (its waiters poll).
+    subscriber: Option<Arc<Subscriber>>,
 }
 
 /// Where the commands go, batched into pipelines.
@@ -244,8 +254,9 @@ impl RedisStore {
     /// ([`ConnectionInfo::set_tcp_settings`](redis::ConnectionInfo::set_tcp_settings)) unless
     /// Nagle's algorithm is wanted.
     pub async fn from_client(client: redis::Client) -> Result<Self, RedisStoreError> {
-        let connection = ConnectionManager::new_with_config(client, manager_config()).await?;
-        Ok(Self::new(connection))
+        let connection =
+            ConnectionManager::new_with_config(client.clone(), manager_config()).await?;
+        Ok(Self::new(connection).subscribing(Source::Servers(vec![client])))
     }
 
     /// A store on a connection the application already has (its response timeout and
@@ -276,12 +287,23 @@ impl RedisStore {
         I: IntoIterator<Item = U>,
         U: IntoConnectionInfo,
     {
+        let urls: Vec<_> = urls
+            .into_iter()
+            .map(|url| url.into_connection_info())
+            .collect::<redis::RedisResult<_>>()?;
+        // Any node relays what any other publishes: the first seed that answers.
+        let seeds = urls
+            .iter()
+            .map(|info| redis::Client::open(info.clone().set_tcp_settings(nodelay())))
+            .collect::<redis::RedisResult<_>>()?;
         let client = ClusterClient::builder(urls)
             .connection_timeout(CONNECTION_TIMEOUT)
             .response_timeout(RESPONSE_TIMEOUT)
             .tcp_settings(nodelay())
             .build()?;
-        Self::from_cluster_client(client).await
+        Ok(Self::from_cluster_client(client)
+            .await?
+            .subscribing(Source::Servers(seeds)))
     }
 
     /// Connects to a Redis Cluster with a client the application configured (TLS,
@@ -326,7 +348,9 @@ impl RedisStore {
     /// the master ([`SentinelServerType::Master`]): the store writes.
     pub async fn from_sentinel_client(client: SentinelClient) -> Result<Self, RedisStoreError> {
         let primary = Primary::sentinel(client, manager_config()).await?;
-        Ok(Self::with(Commands::Node(AutoPipeline::new(primary))))
+        let commands = AutoPipeline::new(primary);
+        let source = Source::Sentinel(Arc::clone(commands.transport()));
+        Ok(Self::with(Commands::Node(commands)).subscribing(source))
     }
 
     fn with(commands: Commands) -> Self {
@@ -336,7 +360,19 @@ impl RedisStore {
             timeout: RESPONSE_TIMEOUT,
             native_claim: Arc::new(AtomicBool::new(true)),
             acks: None,
+            subscriber: None,
         }
+    }
+
+    /// Relays the completions and releases that Redis announces to this store's waiters.
+    fn subscribing(mut self, source: Source) -> Self {
+        let announcements = Announcements::new();
+        self.subscriber = Some(Arc::new(Subscriber::new(
+            source,
+            announcements,
+            RESPONSE_TIMEOUT,
+        )));
+        self
     }
 
     /// The prefix of every key. Default: `idempotency:`.
@@ -498,6 +534,25 @@ impl RedisStore {
             .await?;
         Ok(fenced(applied))
     }
+
+    /// Wakes this process's waiters on `key` at once (other instances hear of it through
+    /// Redis): one atomic read when nobody waits.
+    fn announce(&self, scope: &Scope) {
+        if let Some(subscriber) = &self.subscriber {
+            if subscriber.announcements().anyone_watching() {
+                subscriber.announcements().announce(&self.redis_key(scope));
+            }
+        }
+    }
+
+    /// How many keys this store's requests wait on now, each subscribed to once however
+    /// many wait on it.
+    pub async fn watched(&self) -> usize {
+        match &self.subscriber {
+            Some(subscriber) => subscriber.channels().await,
+            None => 0,
+        }
+    }
 }
 
 fn nodelay() -> TcpSettings {
@@ -654,16 +709,23 @@ impl Store for RedisStore {
         put_completed(&mut value, &fingerprint, response);
         value.put_u64(deadline(ttl));
         let ttl = millis(ttl).to_string();
-        self.eval_fenced(&COMPLETE, scope, token, &[&value, ttl.as_bytes()], true)
-            .await
+        let completed = self
+            .eval_fenced(&COMPLETE, scope, token, &[&value, ttl.as_bytes()], true)
+            .await?;
+        if completed == Fenced::Applied {
+            self.announce(scope);
+        }
+        Ok(completed)
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = self.redis_key(scope);
         let eval = script_command("EVAL", &RELEASE, &key, &[token.as_bytes()]);
-        Ok(fenced(
-            self.query(eval, &key, Unawaited::Send, false).await?,
-        ))
+        let released = fenced(self.query(eval, &key, Unawaited::Send, false).await?);
+        if released == Fenced::Applied {
+            self.announce(scope);
+        }
+        Ok(released)
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
@@ -671,6 +733,23 @@ impl Store for RedisStore {
         let lease = millis(lease).to_string();
         self.eval_fenced(&EXTEND, scope, token, &[lease.as_bytes(), &deadline], false)
             .await
+    }
+
+    async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
+        let Some(subscriber) = &self.subscriber else {
+            return Ok(None);
+        };
+        let key = self.redis_key(scope);
+        // On the board before subscribing: what is published once Redis confirmed the
+        // subscription is relayed to this watch.
+        let watch = subscriber.announcements().watch(&key);
+        match subscriber.subscribe(&key).await {
+            Ok(subscription) => Ok(Some(watch.keeping(subscription))),
+            Err(error) => {
+                tracing::warn!(%error, "could not subscribe to Redis announcements: this waiter reads its key again instead");
+                Ok(None)
+            }
+        }
     }
 }
 

@@ -81,6 +81,11 @@ impl<T: Transport> AutoPipeline<T> {
         }
     }
 
+    /// Where the batches go.
+    pub(super) fn transport(&self) -> &Arc<T> {
+        &self.transport
+    }
+
     /// Sends `command` with the next batch and returns its reply; a server error comes
     /// back as `Err`, and so does no reply within `timeout`, counted from now: time spent
     /// queued behind a busy runtime counts, not only time on the wire. A command that times

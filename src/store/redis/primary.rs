@@ -79,6 +79,15 @@ impl Primary {
         })
     }
 
+    /// A client for the primary the sentinels name now (for a connection of another kind
+    /// than the store's own); an error for a fixed server, which keeps no client.
+    pub(super) async fn client(&self) -> RedisResult<redis::Client> {
+        match &self.sentinel {
+            Some(follower) => follower.client.lock().await.async_get_client().await,
+            None => Err((redis::ErrorKind::Client, "a fixed server keeps no client").into()),
+        }
+    }
+
     /// The connection to send the next batch on.
     pub(super) fn connection(&self) -> ConnectionManager {
         self.connection
