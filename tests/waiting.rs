@@ -235,14 +235,7 @@ async fn the_payments_example_lets_a_double_tap_wait() {
 /// subscription, which ends with the last of them.
 #[tokio::test]
 async fn across_instances_redis_wakes_waiters_and_leaves_no_subscription() {
-    let prefix = support::unique_prefix("waiting_across");
-    let open = || async {
-        tower_idempotency::RedisStore::open(&support::redis_url())
-            .await
-            .unwrap()
-            .prefix(prefix.clone())
-    };
-    let (a, b) = (open().await, open().await);
+    let (a, b) = two_instances("waiting_across").await;
     let handler = Handler::default();
     let app_a = router(
         &handler,
@@ -296,14 +289,7 @@ async fn across_instances_redis_wakes_waiters_and_leaves_no_subscription() {
 /// another: the announcement comes through Redis, not from reading the key again.
 #[tokio::test]
 async fn a_redis_watch_wakes_on_another_instances_writes() {
-    let prefix = support::unique_prefix("watch_across");
-    let open = || async {
-        tower_idempotency::RedisStore::open(&support::redis_url())
-            .await
-            .unwrap()
-            .prefix(prefix.clone())
-    };
-    let (a, b) = (open().await, open().await);
+    let (a, b) = two_instances("watch_across").await;
     let fingerprint = Fingerprint::from_bytes([7; 32]);
     for (key, completes) in [("completed", true), ("released", false)] {
         let scope = scope(key);
@@ -328,6 +314,20 @@ async fn a_redis_watch_wakes_on_another_instances_writes() {
             .await
             .unwrap_or_else(|_| panic!("{key}: not announced"));
     }
+}
+
+/// Two stores on the shared Redis under one prefix, as two instances of a service see it.
+async fn two_instances(
+    test: &str,
+) -> (tower_idempotency::RedisStore, tower_idempotency::RedisStore) {
+    let prefix = support::unique_prefix(test);
+    let open = || async {
+        tower_idempotency::RedisStore::open(&support::redis_url())
+            .await
+            .unwrap()
+            .prefix(prefix.clone())
+    };
+    (open().await, open().await)
 }
 
 async fn redis_connection() -> tower_idempotency::redis::aio::MultiplexedConnection {
