@@ -82,7 +82,8 @@ where
                 let again = || claim_key(&store, &config, &scope, fingerprint, token);
                 // Boxed: kept in place, this rare path would make every request's future
                 // larger.
-                let waited = wait::for_original(&*store, &scope, fingerprint, bound, again);
+                let waited =
+                    wait::for_original(&*store, &scope, fingerprint, (bound, config.lease), again);
                 claim = Box::pin(waited).await;
             }
         }

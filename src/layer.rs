@@ -150,6 +150,12 @@ impl IdempotencyLayer {
         self.config.in_flight.clone()
     }
 
+    /// How many requests of this layer (every clone, every service it made) wait for their
+    /// originals now (see [`wait_for_original`](Self::wait_for_original)).
+    pub fn waiting(&self) -> usize {
+        self.config.waiters.count()
+    }
+
     fn config(&mut self) -> &mut Config {
         Arc::make_mut(&mut self.config)
     }
@@ -414,10 +420,14 @@ impl IdempotencyLayer {
     /// out), it claims the key and executes, since the outcome was unknown; past `bound` it
     /// gets the `409` with `Retry-After`. A key reused with other parameters never waits.
     ///
-    /// Waiters are woken by the store's announcements ([`Store::watch`]): at once by the
-    /// memory store; a store that announces nothing is read again every 20 ms, doubling up
-    /// to 200 ms. At most [`max_waiting`](Self::max_waiting) requests wait at once; a
-    /// waiter whose client goes away leaves nothing behind. Default: no waiting.
+    /// Waiters are woken by the store's announcements ([`Store::watch`]), whichever
+    /// instance ran the original: the memory store in process, Redis by pub/sub,
+    /// PostgreSQL by `LISTEN`/`NOTIFY`; the waiters one announcement wakes read the key
+    /// once between them. A store that announces nothing (one made from a bare connection
+    /// or pool, or a store of one's own) is read again every 20 ms, doubling up to 200 ms.
+    /// Every waiter also reads its key again when the holder's lease would run out.
+    /// At most [`max_waiting`](Self::max_waiting) requests wait at once; a waiter whose
+    /// client goes away leaves nothing behind. Default: no waiting.
     ///
     /// # Example
     ///

@@ -81,7 +81,7 @@ pub(crate) async fn for_original<C, F>(
     store: &dyn Store,
     scope: &Scope,
     fingerprint: Fingerprint,
-    bound: Duration,
+    (bound, lease): (Duration, Duration),
     mut claim: C,
 ) -> store::Result<Claim>
 where
@@ -93,8 +93,13 @@ where
     // missed. A store that cannot watch now is polled.
     let mut watch = store.watch(scope).await.ok().flatten();
     let mut poll = FIRST_POLL;
+    let mut announced = false;
     loop {
-        let found = claim().await;
+        // The waiters one announcement wakes read the key once between them.
+        let found = match watch.as_ref() {
+            Some(watch) if announced => watch.read_shared(fingerprint, lease, &mut claim).await,
+            _ => claim().await,
+        };
         let lease_remaining = match &found {
             Ok(Claim::InProgress {
                 fingerprint: theirs,
@@ -112,7 +117,8 @@ where
         let lease_ends = now + lease_remaining + PAST_LEASE;
         match watch.as_mut() {
             Some(watch) => {
-                let _ = tokio::time::timeout_at(deadline.min(lease_ends), watch.changed()).await;
+                let woken = tokio::time::timeout_at(deadline.min(lease_ends), watch.changed());
+                announced = woken.await.is_ok();
             }
             None => {
                 tokio::time::sleep_until(deadline.min(lease_ends).min(now + poll)).await;

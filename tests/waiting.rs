@@ -1,5 +1,5 @@
-//! Duplicates that wait for their original (`wait_for_original`), against every store: the
-//! memory store wakes them by its announcements, the others by reading the key again.
+//! Duplicates that wait for their original (`wait_for_original`) on the original's own
+//! instance, against every store. (tests/waiting_across_instances.rs has them on another.)
 
 #[macro_use]
 mod support;
@@ -7,13 +7,14 @@ mod support;
 use std::{sync::Arc, time::Duration};
 
 use axum::http::StatusCode;
-use tower_idempotency::{store::Fenced, Fingerprint, MemoryStore, Store};
+use tower_idempotency::{Fingerprint, MemoryStore, Store};
 
 use support::app::*;
 
 for_each_store!(
     a_waiting_duplicate_gets_the_replay_of_the_original,
     a_waiting_duplicate_executes_when_the_original_is_released,
+    after_a_release_one_waiter_executes_and_the_others_get_its_replay,
     a_waiting_duplicate_executes_when_the_holder_crashed,
     past_its_bound_a_duplicate_gets_the_conflict,
     beyond_the_cap_duplicates_get_the_conflict_at_once,
@@ -24,21 +25,6 @@ const BOUND: Duration = Duration::from_secs(10);
 
 fn waiting_layer(store: &Arc<dyn Store>) -> tower_idempotency::IdempotencyLayer {
     layer(store).wait_for_original(BOUND)
-}
-
-/// Sends `request` in a task of its own.
-fn spawn_send(app: &axum::Router, request: Req) -> tokio::task::JoinHandle<Answer> {
-    let app = app.clone();
-    tokio::spawn(async move { send(&app, request).await })
-}
-
-/// Gives a task time to reach its wait, and checks it is still waiting.
-async fn still_waiting(task: &tokio::task::JoinHandle<Answer>) {
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    assert!(
-        !task.is_finished(),
-        "the duplicate answered while the original ran"
-    );
 }
 
 async fn a_waiting_duplicate_gets_the_replay_of_the_original(store: Arc<dyn Store>) {
@@ -82,6 +68,38 @@ async fn a_waiting_duplicate_executes_when_the_original_is_released(store: Arc<d
     let duplicate = duplicate.await.unwrap();
     assert_eq!(duplicate.status, StatusCode::CREATED);
     assert!(!duplicate.replayed(), "the duplicate executed");
+    assert_eq!(handler.executions(), 2);
+}
+
+async fn after_a_release_one_waiter_executes_and_the_others_get_its_replay(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, waiting_layer(&store));
+    let original = spawn_send(&app, post_waiting("many").header("x-status", "503"));
+    until_executing(&handler, 1).await;
+    let duplicates: Vec<_> = (0..4)
+        .map(|_| spawn_send(&app, post("/pay").key("many")))
+        .collect();
+    for duplicate in &duplicates {
+        still_waiting(duplicate).await;
+    }
+    handler.gate.add_permits(1);
+    original.await.unwrap();
+    let mut answers = Vec::new();
+    for duplicate in duplicates {
+        answers.push(duplicate.await.unwrap());
+    }
+    let executed: Vec<_> = answers.iter().filter(|a| !a.replayed()).collect();
+    assert_eq!(
+        executed.len(),
+        1,
+        "exactly one waiter takes the released key"
+    );
+    for answer in &answers {
+        assert_eq!(
+            (answer.status, &answer.body),
+            (StatusCode::CREATED, &executed[0].body)
+        );
+    }
     assert_eq!(handler.executions(), 2);
 }
 
@@ -228,142 +246,4 @@ async fn the_payments_example_lets_a_double_tap_wait() {
     assert!(second.replayed());
     assert_eq!(second.assert_payment(700, "usd"), id);
     assert_eq!(api.stats().await.payments_executed, 1);
-}
-
-/// Two instances on one Redis: a duplicate through B waits for the original running
-/// through A, woken by A's completion published on Redis; B's waiters share one
-/// subscription, which ends with the last of them.
-#[tokio::test]
-async fn across_instances_redis_wakes_waiters_and_leaves_no_subscription() {
-    let (a, b) = two_instances("waiting_across").await;
-    let handler = Handler::default();
-    let app_a = router(
-        &handler,
-        waiting_layer(&(Arc::new(a.clone()) as Arc<dyn Store>)),
-    );
-    let app_b = router(
-        &handler,
-        waiting_layer(&(Arc::new(b.clone()) as Arc<dyn Store>)),
-    );
-    let original = spawn_send(&app_a, post_waiting("x"));
-    until_executing(&handler, 1).await;
-    let waiters: Vec<_> = (0..3)
-        .map(|_| spawn_send(&app_b, post("/pay").key("x")))
-        .collect();
-    for waiter in &waiters {
-        still_waiting(waiter).await;
-    }
-    assert_eq!(
-        b.watched().await,
-        1,
-        "one subscription for the key's waiters"
-    );
-    let mut redis = redis_connection().await;
-    let channel = b.redis_key(&scope("x"));
-    assert_eq!(subscribers(&mut redis, &channel).await, 1);
-    handler.gate.add_permits(1);
-    let original = original.await.unwrap();
-    for waiter in waiters {
-        let waiter = waiter.await.unwrap();
-        assert!(waiter.replayed());
-        assert_eq!(waiter.body, original.body);
-    }
-    assert_eq!(handler.executions(), 1);
-    // The subscription ends with its last waiter, on this side and on Redis's.
-    eventually_zero(|| async { b.watched().await }).await;
-    eventually_zero(|| async { subscribers(&mut redis_connection().await, &channel).await }).await;
-
-    // A waiter that goes away takes its subscription with it.
-    let original = spawn_send(&app_a, post_waiting("y"));
-    until_executing(&handler, 2).await;
-    let waiter = spawn_send(&app_b, post("/pay").key("y"));
-    still_waiting(&waiter).await;
-    assert_eq!(b.watched().await, 1);
-    waiter.abort();
-    eventually_zero(|| async { b.watched().await }).await;
-    handler.gate.add_permits(1);
-    original.await.unwrap();
-}
-
-/// A watch made on one instance wakes on a completion and on a release made through
-/// another: the announcement comes through Redis, not from reading the key again.
-#[tokio::test]
-async fn a_redis_watch_wakes_on_another_instances_writes() {
-    let (a, b) = two_instances("watch_across").await;
-    let fingerprint = Fingerprint::from_bytes([7; 32]);
-    for (key, completes) in [("completed", true), ("released", false)] {
-        let scope = scope(key);
-        let mut watch = b.watch(&scope).await.unwrap().expect("Redis announces");
-        let claim = a.claim(&scope, fingerprint, BOUND).await.unwrap();
-        let tower_idempotency::store::Claim::Claimed(token) = claim else {
-            panic!("{claim:?}");
-        };
-        if completes {
-            let response = tower_idempotency::StoredResponse {
-                status: StatusCode::CREATED,
-                headers: Default::default(),
-                body: "done".into(),
-                trailers: None,
-            };
-            let completed = a.complete(&scope, token, fingerprint, &response, BOUND);
-            assert_eq!(completed.await.unwrap(), Fenced::Applied);
-        } else {
-            assert_eq!(a.release(&scope, token).await.unwrap(), Fenced::Applied);
-        }
-        tokio::time::timeout(BOUND, watch.changed())
-            .await
-            .unwrap_or_else(|_| panic!("{key}: not announced"));
-    }
-}
-
-/// Two stores on the shared Redis under one prefix, as two instances of a service see it.
-async fn two_instances(
-    test: &str,
-) -> (tower_idempotency::RedisStore, tower_idempotency::RedisStore) {
-    let prefix = support::unique_prefix(test);
-    let open = || async {
-        tower_idempotency::RedisStore::open(&support::redis_url())
-            .await
-            .unwrap()
-            .prefix(prefix.clone())
-    };
-    (open().await, open().await)
-}
-
-async fn redis_connection() -> tower_idempotency::redis::aio::MultiplexedConnection {
-    let client = tower_idempotency::redis::Client::open(support::redis_url()).unwrap();
-    client.get_multiplexed_async_connection().await.unwrap()
-}
-
-/// How many connections Redis counts as subscribed to `channel`.
-async fn subscribers(
-    redis: &mut tower_idempotency::redis::aio::MultiplexedConnection,
-    channel: &str,
-) -> i64 {
-    let counts: Vec<(String, i64)> = tower_idempotency::redis::cmd("PUBSUB")
-        .arg("NUMSUB")
-        .arg(channel)
-        .query_async(redis)
-        .await
-        .unwrap();
-    counts.first().map_or(0, |(_, count)| *count)
-}
-
-/// Waits (bounded) for `count` to reach zero: subscriptions end in the background.
-async fn eventually_zero<F, Fut, N>(mut count: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = N>,
-    N: PartialEq + Default + std::fmt::Debug,
-{
-    let mut last = None;
-    for _ in 0..200 {
-        let now = count().await;
-        if now == N::default() {
-            return;
-        }
-        last = Some(now);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("still {last:?}");
 }

@@ -3,13 +3,18 @@
 use std::{
     collections::HashMap,
     fmt,
+    future::Future,
     sync::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc, Mutex,
     },
+    time::Duration,
 };
 
 use tokio::sync::Notify;
+
+use super::{Claim, Result};
+use crate::Fingerprint;
 
 /// An in-process board on which a store announces that a key's record changed (completed
 /// or released), and from which waiters take a [`Watch`] on one key. A store with
@@ -31,11 +36,15 @@ struct Board {
     watched: AtomicUsize,
 }
 
-/// One watched key: how many changes were announced, and who to wake.
+/// One watched key: how many changes were announced, who to wake, and what the last
+/// read of the key after an announcement found.
 #[derive(Default)]
 struct Slot {
     changes: AtomicU64,
     announced: Notify,
+    /// The changes announced when the last shared read began, and what it found: the
+    /// waiters woken by one announcement read the key once between them.
+    last_read: tokio::sync::Mutex<Option<(u64, Claim)>>,
 }
 
 /// A watch on one key's record, made by [`Announcements::watch`] (through
@@ -131,6 +140,43 @@ impl Watch {
         }
     }
 
+    /// Reads the key with `read`, unless another waiter on this watch's key began a read
+    /// after the announcement this watch last saw: its finding then serves this one too.
+    /// A claim it won is the key taken by another request, for this one: the key in
+    /// progress (held by `fingerprint`, its lease `lease` from now).
+    pub(crate) async fn read_shared<F, R>(
+        &self,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        read: F,
+    ) -> Result<Claim>
+    where
+        F: FnOnce() -> R,
+        R: Future<Output = Result<Claim>>,
+    {
+        let mut last_read = self.slot.last_read.lock().await;
+        if let Some((changes, found)) = &*last_read {
+            if *changes >= self.seen {
+                return Ok(found.clone());
+            }
+        }
+        let changes = self.slot.changes.load(Ordering::Acquire);
+        let found = read().await;
+        *last_read = match &found {
+            Ok(Claim::Claimed(_)) => Some((
+                changes,
+                Claim::InProgress {
+                    fingerprint,
+                    lease_remaining: lease,
+                    running_for: Some(Duration::ZERO),
+                },
+            )),
+            Ok(found) => Some((changes, found.clone())),
+            Err(_) => None,
+        };
+        found
+    }
+
     /// The key watched.
     pub fn key(&self) -> &str {
         &self.key
@@ -171,8 +217,6 @@ impl fmt::Debug for Watch {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[tokio::test]

@@ -1,5 +1,7 @@
 //! The PostgreSQL store: a durable record of every deduplicated operation.
 
+mod listener;
+
 use std::{fmt, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
@@ -9,7 +11,8 @@ use http::StatusCode;
 use tokio::task::JoinHandle;
 use tokio_postgres::{types::ToSql, NoTls, Row};
 
-use super::{Claim, Error, Fenced, Result, Store};
+use self::listener::Listener;
+use super::{Claim, Error, Fenced, Result, Store, Watch};
 use crate::{
     record::{put_headers, recorded_trailers, take_headers},
     ClaimToken, Fingerprint, Scope, StoredResponse,
@@ -37,6 +40,20 @@ const CLAIM_ATTEMPTS: usize = 5;
 ///   (or, with [`keep_completed`](Self::keep_completed), only abandoned claims, keeping
 ///   completed rows as an audit trail); [`spawn_purge`](Self::spawn_purge) runs it
 ///   periodically. A key reused after its TTL overwrites its expired row.
+/// - Duplicates that wait for their original
+///   ([`wait_for_original`](crate::IdempotencyLayer::wait_for_original)) are woken through
+///   `LISTEN`/`NOTIFY`, whichever instance holds the original: **complete** and **release**
+///   notify the table's channel ([`notification_channel`](Self::notification_channel)) in
+///   the same statement, and a store opened with [`connect`](Self::connect) listens on one
+///   connection of its own (not from the pool), opened when a request first waits and
+///   opened again with backoff if it fails while requests wait. A store made with
+///   [`new`](Self::new) from a pool cannot open one: its waiters read the key again
+///   (every 20 ms, doubling up to 200 ms), as they do while the listening connection is
+///   down.
+///
+/// Notifying has costs to weigh on a busy table: PostgreSQL serializes the commits of
+/// transactions that notify, and every listening instance receives every completion and
+/// release of the table (64 bytes each), waited for or not.
 ///
 /// Run [`migrate`](Self::migrate) once (it is idempotent) or apply
 /// [`migration_sql`](Self::migration_sql) with your migration tool.
@@ -59,6 +76,8 @@ pub struct PostgresStore {
     pool: Pool,
     table: Arc<Table>,
     keep_completed: bool,
+    /// Announces this store's completions and releases, and relays other instances'.
+    listener: Arc<Listener>,
 }
 
 /// Why a PostgreSQL operation failed.
@@ -106,6 +125,8 @@ impl From<deadpool_postgres::PoolError> for Error {
 /// The table's qualified name and the statements on it, built once.
 struct Table {
     name: String,
+    /// Where its completions and releases are notified.
+    channel: String,
     claim: String,
     complete: String,
     release: String,
@@ -116,12 +137,14 @@ struct Table {
 
 impl PostgresStore {
     /// Connects a pool of up to 16 connections to `url` (`postgres://user@host/db`), using
-    /// the table `public.idempotency_keys`. Connections are opened on first use.
+    /// the table `public.idempotency_keys`. Connections are opened on first use; so is the
+    /// one that listens for other instances' completions, when a request first waits for
+    /// its original.
     pub async fn connect(url: &str) -> Result<Self, PostgresStoreError> {
         let config: tokio_postgres::Config = url
             .parse()
             .map_err(|e: tokio_postgres::Error| PostgresStoreError::Config(e.to_string()))?;
-        let pool = Pool::builder(Manager::new(config, NoTls))
+        let pool = Pool::builder(Manager::new(config.clone(), NoTls))
             .max_size(POOL_SIZE)
             .runtime(Runtime::Tokio1)
             .wait_timeout(Some(POOL_TIMEOUT))
@@ -129,16 +152,29 @@ impl PostgresStore {
             .recycle_timeout(Some(POOL_TIMEOUT))
             .build()
             .map_err(|e| PostgresStoreError::Config(e.to_string()))?;
-        Ok(Self::new(pool))
+        Ok(Self::with(pool, Some(config)))
     }
 
     /// A store on a pool the application already has.
+    ///
+    /// It cannot open a connection outside the pool to listen for other instances'
+    /// completions: requests that wait for their original
+    /// ([`wait_for_original`](crate::IdempotencyLayer::wait_for_original)) read the key
+    /// again until it is completed or released, rather than being woken. Its own
+    /// completions and releases still notify the instances that listen.
     pub fn new(pool: Pool) -> Self {
+        Self::with(pool, None)
+    }
+
+    /// A store on `pool` that listens with `config`, if it has one.
+    fn with(pool: Pool, config: Option<tokio_postgres::Config>) -> Self {
         let table = Table::new("public", "idempotency_keys");
+        let listener = Listener::new(config, table.channel.clone());
         Self {
             pool,
             table: Arc::new(table),
             keep_completed: false,
+            listener: Arc::new(listener),
         }
     }
 
@@ -157,7 +193,10 @@ impl PostgresStore {
     pub fn table(mut self, schema: &str, table: &str) -> Result<Self, PostgresStoreError> {
         validate_identifier(schema)?;
         validate_identifier(table)?;
-        self.table = Arc::new(Table::new(schema, table));
+        let table = Table::new(schema, table);
+        let config = self.listener.config().cloned();
+        self.listener = Arc::new(Listener::new(config, table.channel.clone()));
+        self.table = Arc::new(table);
         Ok(self)
     }
 
@@ -227,10 +266,43 @@ impl PostgresStore {
         &self.table.name
     }
 
+    /// The channel on which completions and releases of this table's keys are notified
+    /// (`idempotency_` and a digest of the table's qualified name, the same in every
+    /// instance), each with the hex SHA-256 of the scope's
+    /// [`storage_key`](Scope::storage_key) as its payload.
+    pub fn notification_channel(&self) -> &str {
+        self.listener.channel()
+    }
+
+    /// How many keys this store's requests wait on now (each key once, however many wait
+    /// on it).
+    pub fn watched(&self) -> usize {
+        self.listener.watched()
+    }
+
     async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
         let client = self.pool.get().await?;
         let statement = client.prepare_cached(sql).await?;
         Ok(client.execute(&statement, params).await?)
+    }
+
+    /// Runs a fenced write that notifies the table's channel when it applies (it returns a
+    /// row then), and announces it to this process's waiters on `key` at once.
+    async fn notifying(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+        key: &str,
+    ) -> Result<Fenced> {
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(sql).await?;
+        let rows = client.query(&statement, params).await?;
+        drop(client);
+        let fenced = fenced(rows.len() as u64);
+        if fenced == Fenced::Applied {
+            self.listener.announce(key);
+        }
+        Ok(fenced)
     }
 }
 
@@ -275,6 +347,11 @@ CREATE INDEX IF NOT EXISTS {index}_expires_at ON {table} (expires_at);
 impl Table {
     fn new(schema: &str, table: &str) -> Self {
         let name = format!("{schema}.{table}");
+        let channel = listener::channel(&name);
+        // Ends a write that returns one row when it applies: that row notifies the channel
+        // with the payload in `$n`, committed with the write.
+        let notify =
+            |n: u8| format!("\n    RETURNING 1\n)\nSELECT pg_notify('{channel}', ${n}) FROM done");
         let scope = "idempotency_key = $1 AND endpoint = $2 AND principal = $3";
         let held = format!(
             "{scope} AND status = 'in_progress' AND claim_token = $4 AND locked_until > now()"
@@ -309,17 +386,23 @@ WHERE {scope} AND expires_at > now()
     AND (status = 'completed' OR locked_until > now())
     AND NOT EXISTS (SELECT 1 FROM claimed)"
             ),
-            // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms. A row this token
-            // already completed counts as held while it lives, so a completion whose reply
-            // was lost can be retried; once expired (purged or not) it is gone.
+            // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms, $10 payload. A row
+            // this token already completed counts as held while it lives, so a completion
+            // whose reply was lost can be retried; once expired (purged or not) it is gone.
             complete: format!(
-                "UPDATE {name} SET status = 'completed', request_hash = $5, status_code = $6,
+                "WITH done AS (
+UPDATE {name} SET status = 'completed', request_hash = $5, status_code = $6,
     response_headers = $7, response_body = $8, completed_at = now(), locked_until = NULL,
     expires_at = now() + $9::bigint * interval '1 millisecond'
 WHERE {scope} AND claim_token = $4
-    AND ((status = 'completed' AND expires_at > now()) OR locked_until > now())"
+    AND ((status = 'completed' AND expires_at > now()) OR locked_until > now()){}",
+                notify(10)
             ),
-            release: format!("DELETE FROM {name} WHERE {held}"),
+            // $5 payload.
+            release: format!(
+                "WITH done AS (\nDELETE FROM {name} WHERE {held}{}",
+                notify(5)
+            ),
             // $5 lease ms.
             extend: format!(
                 "UPDATE {name} SET locked_until = now() + $5::bigint * interval '1 millisecond',
@@ -331,6 +414,7 @@ WHERE {held}"
                 "DELETE FROM {name} WHERE expires_at <= now() AND status = 'in_progress'"
             ),
             name,
+            channel,
         }
     }
 }
@@ -465,33 +549,32 @@ impl Store for PostgresStore {
             put_headers(&mut headers, trailers);
         }
         let status = response.status.as_u16() as i16;
-        let rows = self
-            .execute(
-                &self.table.complete,
-                &[
-                    &scope.key().as_str(),
-                    &scope.endpoint(),
-                    &principal(scope),
-                    &token.as_bytes().as_slice(),
-                    &fingerprint.as_bytes().as_slice(),
-                    &status,
-                    &headers.as_ref(),
-                    &response.body.as_ref(),
-                    &millis(ttl),
-                ],
-            )
-            .await?;
-        Ok(fenced(rows))
-    }
-
-    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
-        let params: [&(dyn ToSql + Sync); 4] = [
+        let key = listener::payload(scope);
+        let params: [&(dyn ToSql + Sync); 10] = [
             &scope.key().as_str(),
             &scope.endpoint(),
             &principal(scope),
             &token.as_bytes().as_slice(),
+            &fingerprint.as_bytes().as_slice(),
+            &status,
+            &headers.as_ref(),
+            &response.body.as_ref(),
+            &millis(ttl),
+            &key.as_str(),
         ];
-        Ok(fenced(self.execute(&self.table.release, &params).await?))
+        self.notifying(&self.table.complete, &params, &key).await
+    }
+
+    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+        let key = listener::payload(scope);
+        let params: [&(dyn ToSql + Sync); 5] = [
+            &scope.key().as_str(),
+            &scope.endpoint(),
+            &principal(scope),
+            &token.as_bytes().as_slice(),
+            &key.as_str(),
+        ];
+        self.notifying(&self.table.release, &params, &key).await
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
@@ -504,6 +587,10 @@ impl Store for PostgresStore {
         ];
         Ok(fenced(self.execute(&self.table.extend, &params).await?))
     }
+
+    async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
+        Ok(self.listener.watch(&listener::payload(scope)).await)
+    }
 }
 
 impl fmt::Debug for PostgresStore {
@@ -511,6 +598,7 @@ impl fmt::Debug for PostgresStore {
         f.debug_struct("PostgresStore")
             .field("table", &self.table.name)
             .field("keep_completed", &self.keep_completed)
+            .field("watched", &self.watched())
             .finish_non_exhaustive()
     }
 }

@@ -391,6 +391,11 @@ impl RedisStore {
         self
     }
 
+    /// The prefix of every key.
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// The longest each command waits for Redis, counted from when the request issues it:
     /// time queued behind other requests' commands counts as well as time on the wire.
     /// Past it the operation fails, and the layer answers `503` (fail closed). On one

@@ -196,3 +196,18 @@ pub async fn until_executing(handler: &Handler, n: usize) {
     }
     panic!("the handler never reached {n} executions");
 }
+
+/// Sends `request` in a task of its own.
+pub fn spawn_send(app: &Router, request: Req) -> tokio::task::JoinHandle<Answer> {
+    let app = app.clone();
+    tokio::spawn(async move { send(&app, request).await })
+}
+
+/// Gives a task time to reach its wait (for an original), and checks it is still waiting.
+pub async fn still_waiting(task: &tokio::task::JoinHandle<Answer>) {
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        !task.is_finished(),
+        "the duplicate answered while the original ran"
+    );
+}

@@ -1,0 +1,488 @@
+//! Duplicates that wait for an original running on another instance: two stores on the
+//! same records, as two processes have them, each with its own connections. The waiter's
+//! instance is woken by the store's notifications of the other's completion or release,
+//! not by reading the key again.
+//!
+//! Each store has a setup function that opens its two instances; the cases shared by every
+//! store take them, and the cases only one store has follow its setup.
+
+mod support;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::http::StatusCode;
+use tower_idempotency::{
+    store::{Claim, Fenced, Watch},
+    ClaimToken, Fingerprint, PostgresStore, Scope, Store, StoredResponse,
+};
+
+use support::app::*;
+
+/// Two instances of one store on the same records.
+struct Instances {
+    /// Runs the originals.
+    a: Arc<dyn Store>,
+    /// Runs the duplicates, and waits.
+    b: Arc<dyn Store>,
+}
+
+/// Runs each listed `async fn case(instances: Instances)` on the instances that `$setup`
+/// opens, as `$setup::case`.
+macro_rules! across_instances {
+    ($setup:ident: $($case:ident),* $(,)?) => {
+        mod $setup {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(super::$setup().await).await
+            })*
+        }
+    };
+}
+
+across_instances!(
+    postgres: a_duplicate_on_another_instance_gets_the_replay,
+    a_duplicate_on_another_instance_executes_when_the_original_is_released,
+    a_watch_is_woken_by_the_other_instance,
+);
+across_instances!(
+    redis: a_duplicate_on_another_instance_gets_the_replay,
+    a_duplicate_on_another_instance_executes_when_the_original_is_released,
+    a_watch_is_woken_by_the_other_instance,
+);
+across_instances!(
+    redis_cluster: a_duplicate_on_another_instance_gets_the_replay,
+    a_duplicate_on_another_instance_executes_when_the_original_is_released,
+    a_watch_is_woken_by_the_other_instance,
+);
+across_instances!(
+    redis_sentinel: a_duplicate_on_another_instance_gets_the_replay,
+    a_duplicate_on_another_instance_executes_when_the_original_is_released,
+    a_watch_is_woken_by_the_other_instance,
+);
+
+const BOUND: Duration = Duration::from_secs(10);
+/// How long a woken watch may take to answer: far more than a notification takes, and
+/// still far less than the bound a waiter without one would sit out.
+const WOKEN_WITHIN: Duration = Duration::from_secs(2);
+const LEASE: Duration = Duration::from_secs(30);
+const FINGERPRINT: Fingerprint = Fingerprint::from_bytes([7; 32]);
+
+/// The same service on both instances: one handler, two layers that wait.
+fn apps(instances: &Instances, handler: &Handler) -> (axum::Router, axum::Router) {
+    let app = |store| router(handler, layer(store).wait_for_original(BOUND));
+    (app(&instances.a), app(&instances.b))
+}
+
+async fn a_duplicate_on_another_instance_gets_the_replay(instances: Instances) {
+    let handler = Handler::default();
+    let (a, b) = apps(&instances, &handler);
+    let original = spawn_send(&a, post_waiting("w").body("amount=1"));
+    until_executing(&handler, 1).await;
+    let duplicates: Vec<_> = (0..3)
+        .map(|_| spawn_send(&b, post("/pay").key("w").body("amount=1")))
+        .collect();
+    for duplicate in &duplicates {
+        still_waiting(duplicate).await;
+    }
+    handler.gate.add_permits(1);
+    let original = original.await.unwrap();
+    assert_eq!(original.status, StatusCode::CREATED);
+    for duplicate in duplicates {
+        let duplicate = tokio::time::timeout(BOUND / 2, duplicate)
+            .await
+            .expect("woken before the bound")
+            .unwrap();
+        assert!(duplicate.replayed());
+        assert_eq!(
+            (duplicate.status, &duplicate.body),
+            (original.status, &original.body)
+        );
+    }
+    assert_eq!(handler.executions(), 1);
+}
+
+async fn a_duplicate_on_another_instance_executes_when_the_original_is_released(
+    instances: Instances,
+) {
+    let handler = Handler::default();
+    let (a, b) = apps(&instances, &handler);
+    // The original answers 503 (released: its outcome was unknown).
+    let original = spawn_send(&a, post_waiting("r").header("x-status", "503"));
+    until_executing(&handler, 1).await;
+    let duplicate = spawn_send(&b, post("/pay").key("r"));
+    still_waiting(&duplicate).await;
+    handler.gate.add_permits(1);
+    assert_eq!(
+        original.await.unwrap().status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let duplicate = tokio::time::timeout(BOUND / 2, duplicate)
+        .await
+        .expect("woken before the bound")
+        .unwrap();
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert!(!duplicate.replayed(), "the duplicate executed");
+    assert_eq!(handler.executions(), 2);
+}
+
+/// The store hands out a watch (a waiter is woken, not left to read its key again), and a
+/// completion, then a release, made by the other instance wakes it.
+async fn a_watch_is_woken_by_the_other_instance(instances: Instances) {
+    for (label, completes) in [("completed", true), ("released", false)] {
+        let scope = scope(&format!("watched-{label}"));
+        let mut watch = watch(&*instances.b, &scope).await;
+        let token = claim(&*instances.a, &scope).await;
+        not_woken(&mut watch, "by the claim").await;
+        if completes {
+            complete(&*instances.a, &scope, token).await;
+        } else {
+            let released = instances.a.release(&scope, token).await.unwrap();
+            assert_eq!(released, Fenced::Applied);
+        }
+        woken(&mut watch, label).await;
+    }
+}
+
+/// A watch from `store`, which must hand one out.
+async fn watch(store: &dyn Store, scope: &Scope) -> Watch {
+    store
+        .watch(scope)
+        .await
+        .expect("the watch")
+        .expect("a store that announces hands out a watch")
+}
+
+async fn claim(store: &dyn Store, scope: &Scope) -> ClaimToken {
+    match store.claim(scope, FINGERPRINT, LEASE).await.unwrap() {
+        Claim::Claimed(token) => token,
+        other => panic!("expected a free key, got {other:?}"),
+    }
+}
+
+async fn complete(store: &dyn Store, scope: &Scope, token: ClaimToken) {
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Default::default(),
+        body: "done".into(),
+        trailers: None,
+    };
+    let completed = store
+        .complete(scope, token, FINGERPRINT, &response, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(completed, Fenced::Applied);
+}
+
+async fn woken(watch: &mut Watch, what: &str) {
+    if tokio::time::timeout(WOKEN_WITHIN, watch.changed())
+        .await
+        .is_err()
+    {
+        panic!("the watch was not woken: {what}");
+    }
+}
+
+async fn not_woken(watch: &mut Watch, what: &str) {
+    let changed = tokio::time::timeout(Duration::from_millis(300), watch.changed()).await;
+    assert!(changed.is_err(), "the watch was woken {what}");
+}
+
+// ---------------------------------------------------------------------------------------
+// PostgreSQL: `LISTEN`/`NOTIFY`.
+
+async fn postgres() -> Instances {
+    let (a, b) = postgres_instances().await;
+    Instances {
+        a: Arc::new(a),
+        b: Arc::new(b),
+    }
+}
+
+/// Two stores on one table of their own, each with its pool and its listener.
+async fn postgres_instances() -> (PostgresStore, PostgresStore) {
+    let a = support::postgres_store().await;
+    let b = postgres_on(a.table_name()).await;
+    (a, b)
+}
+
+/// Another store on the table named `qualified` (`schema.table`).
+async fn postgres_on(qualified: &str) -> PostgresStore {
+    let (schema, table) = qualified.split_once('.').expect("a qualified name");
+    PostgresStore::connect(&support::database_url())
+        .await
+        .unwrap()
+        .table(schema, table)
+        .unwrap()
+}
+
+/// The listener relays its own table's notifications, not another's: the same scope
+/// completed in another table wakes nothing.
+#[tokio::test]
+async fn postgres_listeners_relay_their_own_table_only() {
+    let (a, b) = postgres_instances().await;
+    let elsewhere = support::postgres_store().await;
+    assert_ne!(
+        elsewhere.notification_channel(),
+        b.notification_channel(),
+        "a channel per table"
+    );
+    assert_eq!(a.notification_channel(), b.notification_channel());
+    let scope = scope("own-table");
+    let mut watch = watch(&b, &scope).await;
+    let token = claim(&elsewhere, &scope).await;
+    complete(&elsewhere, &scope, token).await;
+    not_woken(&mut watch, "by another table's completion").await;
+    let token = claim(&a, &scope).await;
+    complete(&a, &scope, token).await;
+    woken(&mut watch, "by its table's completion").await;
+}
+
+/// A key is watched while a watch on it lives, however many there are, and no longer.
+#[tokio::test]
+async fn postgres_watches_dropped_leave_nothing_watched() {
+    let (_, b) = postgres_instances().await;
+    assert_eq!(b.watched(), 0);
+    let first = watch(&b, &scope("dropped")).await;
+    let second = watch(&b, &scope("dropped")).await;
+    let other = watch(&b, &scope("dropped-other")).await;
+    assert_eq!(b.watched(), 2, "one entry per key");
+    drop(first);
+    assert_eq!(b.watched(), 2);
+    drop((second, other));
+    assert_eq!(b.watched(), 0);
+}
+
+/// A listening connection that is cut: its watches are woken (what was notified meanwhile
+/// is lost, so their waiters read their keys again), it listens again, and relays again.
+#[tokio::test]
+async fn postgres_listener_listens_again_after_its_connection_is_cut() {
+    let (a, b) = postgres_instances().await;
+    let scope = scope("cut");
+    let mut kept = watch(&b, &scope).await;
+    let admin = support::store_client(&support::database_url()).await;
+    let cut = admin
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query = $1",
+            &[&format!("LISTEN {}", b.notification_channel())],
+        )
+        .await
+        .unwrap();
+    assert_eq!(cut.len(), 1, "one listening connection");
+    woken(&mut kept, "by the cut").await;
+    // Listening again (the watch returns `None` meanwhile), and relaying.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while b.watch(&scope).await.unwrap().is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never listened again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Woken again as it listened again, unless that came with the cut's: let it pass.
+    let _ = tokio::time::timeout(Duration::from_millis(200), kept.changed()).await;
+    let mut fresh = watch(&b, &scope).await;
+    not_woken(&mut fresh, "before the completion").await;
+    let token = claim(&a, &scope).await;
+    complete(&a, &scope, token).await;
+    woken(&mut fresh, "after listening again").await;
+    woken(&mut kept, "after listening again").await;
+}
+
+/// A store keeps relaying when the runtime its listener ran in has ended (the listener went
+/// with it): the next watch opens another.
+#[test]
+fn postgres_listener_outlives_the_runtime_it_ran_in() {
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let first = runtime();
+    let (a, b) = first.block_on(postgres_instances());
+    first.block_on(async {
+        let _ = watch(&b, &scope("first-runtime")).await;
+    });
+    drop(first);
+    runtime().block_on(async {
+        let scope = scope("next-runtime");
+        let first = tokio::time::timeout(WOKEN_WITHIN, watch(&b, &scope))
+            .await
+            .expect("the watch in the next runtime");
+        // The listener that replaced the ended one woke every watch it found (their
+        // waiters may have missed a completion): a watch made once it listens is woken
+        // only by the completion.
+        let mut watch = watch(&b, &scope).await;
+        drop(first);
+        not_woken(&mut watch, "before the completion").await;
+        let token = claim(&a, &scope).await;
+        complete(&a, &scope, token).await;
+        woken(&mut watch, "in the next runtime").await;
+    });
+}
+
+/// Where no connection can listen (nothing answers at the address), the store hands out no
+/// watch: its waiters read their keys again.
+#[tokio::test]
+async fn postgres_without_a_listener_hands_out_no_watch() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    let unreachable = PostgresStore::connect(&url).await.unwrap();
+    let watch = tokio::time::timeout(WOKEN_WITHIN * 3, unreachable.watch(&scope("none")))
+        .await
+        .expect("answered");
+    assert!(watch.unwrap().is_none());
+    assert_eq!(unreachable.watched(), 0);
+}
+
+/// A store made from a pool cannot open a connection to listen on: it hands out no watch.
+#[tokio::test]
+async fn postgres_from_a_pool_hands_out_no_watch() {
+    let config: tokio_postgres::Config = support::database_url().parse().unwrap();
+    let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+    let pool = deadpool_postgres::Pool::builder(manager).build().unwrap();
+    let store = PostgresStore::new(pool);
+    assert!(store.watch(&scope("pooled")).await.unwrap().is_none());
+    assert_eq!(store.watched(), 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// Redis: pub/sub, on one server, a cluster and a Sentinel-managed primary.
+
+/// Two stores on the shared Redis under one prefix, as two instances of a service see it.
+async fn redis_instances() -> (tower_idempotency::RedisStore, tower_idempotency::RedisStore) {
+    let a = support::redis_store("waiting_across").await;
+    // Not a clone, which would share its connections: another instance has its own.
+    let b = tower_idempotency::RedisStore::open(&support::redis_url())
+        .await
+        .unwrap()
+        .prefix(a.key_prefix());
+    (a, b)
+}
+
+async fn redis() -> Instances {
+    let (a, b) = redis_instances().await;
+    Instances {
+        a: Arc::new(a),
+        b: Arc::new(b),
+    }
+}
+
+async fn redis_cluster() -> Instances {
+    let a = support::cluster_store("waiting_across").await;
+    let b = support::cluster_store("waiting_across")
+        .await
+        .prefix(a.key_prefix());
+    Instances {
+        a: Arc::new(a),
+        b: Arc::new(b),
+    }
+}
+
+async fn redis_sentinel() -> Instances {
+    let a = support::sentinel_store("waiting_across").await;
+    let b = support::sentinel_store("waiting_across")
+        .await
+        .prefix(a.key_prefix());
+    Instances {
+        a: Arc::new(a),
+        b: Arc::new(b),
+    }
+}
+
+/// Two instances on one Redis: a duplicate through B waits for the original running
+/// through A, woken by A's completion published on Redis; B's waiters share one
+/// subscription, which ends with the last of them.
+#[tokio::test]
+async fn redis_waiters_share_one_subscription_and_leave_none_behind() {
+    let (a, b) = redis_instances().await;
+    let handler = Handler::default();
+    let app_a = router(
+        &handler,
+        layer(&(Arc::new(a.clone()) as Arc<dyn Store>)).wait_for_original(BOUND),
+    );
+    let app_b = router(
+        &handler,
+        layer(&(Arc::new(b.clone()) as Arc<dyn Store>)).wait_for_original(BOUND),
+    );
+    let original = spawn_send(&app_a, post_waiting("x"));
+    until_executing(&handler, 1).await;
+    let waiters: Vec<_> = (0..3)
+        .map(|_| spawn_send(&app_b, post("/pay").key("x")))
+        .collect();
+    for waiter in &waiters {
+        still_waiting(waiter).await;
+    }
+    assert_eq!(
+        b.watched().await,
+        1,
+        "one subscription for the key's waiters"
+    );
+    let mut redis = redis_connection().await;
+    let channel = b.redis_key(&scope("x"));
+    assert_eq!(subscribers(&mut redis, &channel).await, 1);
+    handler.gate.add_permits(1);
+    let original = original.await.unwrap();
+    for waiter in waiters {
+        let waiter = waiter.await.unwrap();
+        assert!(waiter.replayed());
+        assert_eq!(waiter.body, original.body);
+    }
+    assert_eq!(handler.executions(), 1);
+    // The subscription ends with its last waiter, on this side and on Redis's.
+    eventually_zero(|| async { b.watched().await }).await;
+    eventually_zero(|| async { subscribers(&mut redis_connection().await, &channel).await }).await;
+
+    // A waiter that goes away takes its subscription with it.
+    let original = spawn_send(&app_a, post_waiting("y"));
+    until_executing(&handler, 2).await;
+    let waiter = spawn_send(&app_b, post("/pay").key("y"));
+    still_waiting(&waiter).await;
+    assert_eq!(b.watched().await, 1);
+    waiter.abort();
+    eventually_zero(|| async { b.watched().await }).await;
+    handler.gate.add_permits(1);
+    original.await.unwrap();
+}
+
+async fn redis_connection() -> tower_idempotency::redis::aio::MultiplexedConnection {
+    let client = tower_idempotency::redis::Client::open(support::redis_url()).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
+/// How many connections Redis counts as subscribed to `channel`.
+async fn subscribers(
+    redis: &mut tower_idempotency::redis::aio::MultiplexedConnection,
+    channel: &str,
+) -> i64 {
+    let counts: Vec<(String, i64)> = tower_idempotency::redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(redis)
+        .await
+        .unwrap();
+    counts.first().map_or(0, |(_, count)| *count)
+}
+
+/// Waits (bounded) for `count` to reach zero: subscriptions end in the background.
+async fn eventually_zero<F, Fut, N>(mut count: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = N>,
+    N: PartialEq + Default + std::fmt::Debug,
+{
+    let mut last = None;
+    for _ in 0..200 {
+        let now = count().await;
+        if now == N::default() {
+            return;
+        }
+        last = Some(now);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("still {last:?}");
+}
