@@ -13,7 +13,7 @@ use std::{
 
 use tokio::sync::Notify;
 
-use super::{Claim, Result};
+use super::{Claim, Error, Result};
 use crate::Fingerprint;
 
 /// An in-process board on which a store announces that a key's record changed (completed
@@ -42,9 +42,16 @@ struct Board {
 struct Slot {
     changes: AtomicU64,
     announced: Notify,
-    /// The changes announced when the last shared read began, and what it found: the
-    /// waiters woken by one announcement read the key once between them.
-    last_read: tokio::sync::Mutex<Option<(u64, Claim)>>,
+    /// The last shared read of the key: the waiters woken by one announcement read the
+    /// key once between them.
+    last_read: Mutex<Option<Arc<SharedRead>>>,
+}
+
+/// One read of a key, begun when `changes` announcements had been made, and what it found
+/// (for the other waiters: a claim it won is the key in progress).
+struct SharedRead {
+    changes: u64,
+    found: tokio::sync::OnceCell<Claim>,
 }
 
 /// A watch on one key's record, made by [`Announcements::watch`] (through
@@ -116,9 +123,7 @@ impl Announcements {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Slot>>> {
-        // A panic while holding this lock leaves the map whole: keep using it.
-        let keys = self.board.keys.lock();
-        keys.unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.board.keys)
     }
 }
 
@@ -154,27 +159,46 @@ impl Watch {
         F: FnOnce() -> R,
         R: Future<Output = Result<Claim>>,
     {
-        let mut last_read = self.slot.last_read.lock().await;
-        if let Some((changes, found)) = &*last_read {
-            if *changes >= self.seen {
-                return Ok(found.clone());
+        let shared = {
+            let mut last_read = lock(&self.slot.last_read);
+            match &*last_read {
+                Some(shared) if shared.changes >= self.seen => Arc::clone(shared),
+                _ => {
+                    let shared = Arc::new(SharedRead {
+                        changes: self.slot.changes.load(Ordering::Acquire),
+                        found: tokio::sync::OnceCell::new(),
+                    });
+                    *last_read = Some(Arc::clone(&shared));
+                    shared
+                }
             }
-        }
-        let changes = self.slot.changes.load(Ordering::Acquire);
-        let found = read().await;
-        *last_read = match &found {
-            Ok(Claim::Claimed(_)) => Some((
-                changes,
-                Claim::InProgress {
-                    fingerprint,
-                    lease_remaining: lease,
-                    running_for: Some(Duration::ZERO),
-                },
-            )),
-            Ok(found) => Some((changes, found.clone())),
-            Err(_) => None,
         };
-        found
+        // One waiter reads; the others wait for its finding, all woken together when it
+        // has one. (Should its read fail, the next tries.)
+        let mut own = None;
+        let found = shared
+            .found
+            .get_or_try_init(|| async {
+                let found = read().await;
+                let shared = match &found {
+                    Ok(Claim::Claimed(_)) => Ok(Claim::InProgress {
+                        fingerprint,
+                        lease_remaining: lease,
+                        running_for: Some(Duration::ZERO),
+                    }),
+                    Ok(found) => Ok(found.clone()),
+                    Err(_) => Err(()),
+                };
+                own = Some(found);
+                shared
+            })
+            .await;
+        match (own, found) {
+            (Some(own), _) => own,
+            (None, Ok(found)) => Ok(found.clone()),
+            // A failed read ends only its own reader's init; kept total all the same.
+            (None, Err(())) => Err(Error::Backend("the shared read of the key failed".into())),
+        }
     }
 
     /// The key watched.
@@ -199,6 +223,13 @@ impl Drop for Watch {
             board.watched.fetch_sub(1, Ordering::SeqCst);
         }
     }
+}
+
+/// A panic while holding one of these locks leaves what it guards whole: keep using it.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl fmt::Debug for Announcements {

@@ -1,0 +1,228 @@
+//! How soon a waiting duplicate answers once its original is done: the time from the
+//! original's handler returning (its outcome then goes to the store) to each waiter's
+//! replay, p50 and p99, per store, with the waiters on the original's instance or on
+//! another one, 1 and 1 000 at a time. The same with a store that announces nothing shows
+//! what polling would give. Prints a Markdown table.
+//!
+//! `cargo bench --bench waiting` (Redis: a redis-server of its own on a free port;
+//! PostgreSQL: `DATABASE_URL`, default the local server, on a table of its own).
+
+#[allow(dead_code)] // Shared with the tests, which use all of it.
+#[path = "../tests/support/redis_server.rs"]
+mod redis_server;
+
+use std::{
+    convert::Infallible,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use redis_server::RedisServer;
+use tokio::sync::Semaphore;
+use tower::{Layer, Service, ServiceExt};
+use tower_idempotency::{
+    store::{Claim, Fenced, Result, Watch},
+    ClaimToken, Fingerprint, IdempotencyLayer, MemoryStore, PostgresStore, RedisStore, Scope,
+    Store, StoredResponse,
+};
+
+/// Rounds per cell: an original and its waiters each.
+const ROUNDS_ONE: usize = 300;
+const ROUNDS_MANY: usize = 5;
+const MANY: usize = 1_000;
+
+/// A store that announces nothing: its waiters read the key again (20 ms doubling to
+/// 200 ms), the fallback every store without notifications gets.
+#[derive(Debug)]
+struct Silent(Arc<dyn Store>);
+
+#[async_trait]
+impl Store for Silent {
+    async fn claim_with_token(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> Result<Claim> {
+        self.0
+            .claim_with_token(scope, fingerprint, token, lease)
+            .await
+    }
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced> {
+        self.0
+            .complete(scope, token, fingerprint, response, ttl)
+            .await
+    }
+    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+        self.0.release(scope, token).await
+    }
+    async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
+        self.0.extend(scope, token, lease).await
+    }
+    async fn watch(&self, _scope: &Scope) -> Result<Option<Watch>> {
+        Ok(None)
+    }
+}
+
+/// The handler: requests with `x-gate` wait for a permit first.
+fn handler(
+    gate: Arc<Semaphore>,
+) -> impl Service<
+    Request<Full<Bytes>>,
+    Response = Response<Full<Bytes>>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
+       + Send
+       + 'static {
+    tower::service_fn(move |request: Request<Full<Bytes>>| {
+        let gate = gate.clone();
+        async move {
+            if request.headers().contains_key("x-gate") {
+                gate.acquire().await.unwrap().forget();
+            }
+            let mut response = Response::new(Full::new(Bytes::from_static(b"{\"id\":1}")));
+            *response.status_mut() = StatusCode::CREATED;
+            Ok::<_, Infallible>(response)
+        }
+    })
+}
+
+fn request(key: &str, gated: bool) -> Request<Full<Bytes>> {
+    let mut builder = Request::post("/v1/payments").header("idempotency-key", key);
+    if gated {
+        builder = builder.header("x-gate", "1");
+    }
+    builder.body(Full::new(Bytes::from_static(b"{}"))).unwrap()
+}
+
+/// One cell: `rounds` originals through `first`, each with `waiters` duplicates through
+/// `second`; the delays from each original's handler returning to each waiter's answer.
+async fn delays(
+    first: Arc<dyn Store>,
+    second: Arc<dyn Store>,
+    waiters: usize,
+    rounds: usize,
+) -> Vec<Duration> {
+    let gate = Arc::new(Semaphore::new(0));
+    let layer = |store: Arc<dyn Store>| {
+        IdempotencyLayer::from_shared(store)
+            .wait_for_original(Duration::from_secs(30))
+            .max_waiting(2 * MANY)
+    };
+    let original_service = layer(first).layer(handler(gate.clone()));
+    let waiting_layer = layer(second);
+    let waiting_service = waiting_layer.layer(handler(gate.clone()));
+    let mut delays = Vec::with_capacity(rounds * waiters);
+    for _ in 0..rounds {
+        let key = format!("{:032x}", rand::random::<u128>());
+        let original = tokio::spawn(original_service.clone().oneshot(request(&key, true)));
+        // The original holds the key once its handler waits at the gate.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let duplicates: Vec<_> = (0..waiters)
+            .map(|_| {
+                let service = waiting_service.clone();
+                let request = request(&key, false);
+                tokio::spawn(async move {
+                    let response = service.oneshot(request).await.unwrap();
+                    assert_eq!(response.status(), StatusCode::CREATED);
+                    response.into_body().collect().await.unwrap();
+                    Instant::now()
+                })
+            })
+            .collect();
+        // Every duplicate waits, and has read the key since it began to.
+        while waiting_layer.waiting() < waiters {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(if waiters > 1 { 1000 } else { 5 })).await;
+        let released = Instant::now();
+        gate.add_permits(1);
+        original.await.unwrap().unwrap();
+        for duplicate in duplicates {
+            let answered = duplicate.await.unwrap();
+            delays.push(answered.saturating_duration_since(released));
+        }
+    }
+    delays
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let at = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[at]
+}
+
+fn ms(duration: Duration) -> String {
+    format!("{:.2}", duration.as_secs_f64() * 1000.0)
+}
+
+async fn row(name: &str, first: Arc<dyn Store>, second: Arc<dyn Store>) {
+    let mut cells = Vec::new();
+    for (waiters, rounds) in [(1, ROUNDS_ONE), (MANY, ROUNDS_MANY)] {
+        let mut sorted = delays(first.clone(), second.clone(), waiters, rounds).await;
+        sorted.sort();
+        cells.push(format!(
+            "{} / {}",
+            ms(percentile(&sorted, 0.5)),
+            ms(percentile(&sorted, 0.99))
+        ));
+    }
+    println!("| {name} | {} | {} |", cells[0], cells[1]);
+}
+
+async fn redis_store(url: &str, prefix: &str) -> Arc<dyn Store> {
+    Arc::new(RedisStore::open(url).await.unwrap().prefix(prefix))
+}
+
+async fn postgres_store(url: &str) -> Arc<dyn Store> {
+    let store = PostgresStore::connect(url)
+        .await
+        .unwrap()
+        .table("public", "idempotency_bench_waiting")
+        .unwrap();
+    store.migrate().await.unwrap();
+    Arc::new(store)
+}
+
+#[tokio::main]
+async fn main() {
+    let redis = RedisServer::start();
+    let redis_url = redis.url();
+    let postgres_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+
+    println!(
+        "| store, where the waiters are | 1 waiter: p50 / p99 ms | {MANY} waiters: p50 / p99 ms |"
+    );
+    println!("|---|---:|---:|");
+    let memory: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    row("memory, same instance", memory.clone(), memory).await;
+
+    let a = redis_store(&redis_url, "bench:").await;
+    row("Redis, same instance", a.clone(), a.clone()).await;
+    let b = redis_store(&redis_url, "bench:").await;
+    row("Redis, another instance", a.clone(), b.clone()).await;
+    row(
+        "Redis, another instance, polling (no announcements)",
+        a,
+        Arc::new(Silent(b)),
+    )
+    .await;
+
+    let a = postgres_store(&postgres_url).await;
+    row("PostgreSQL, same instance", a.clone(), a.clone()).await;
+    let b = postgres_store(&postgres_url).await;
+    row("PostgreSQL, another instance", a, b).await;
+}
