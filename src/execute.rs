@@ -74,11 +74,23 @@ where
             Ok(rejection.into_response(protocol(), &config))
         };
         let token = ClaimToken::unique();
-        let mut claim = claim_key(&store, &config, &scope, fingerprint, token).await;
+        let mut claim = {
+            let abandoned = AbandonedClaim::arm(&store, &config, &scope, token);
+            let claim = store
+                .claim_with_token(&scope, fingerprint, token, config.lease)
+                .await;
+            if settled(&claim) {
+                abandoned.disarm();
+            }
+            claim
+        };
         // A duplicate of a running request may wait for its outcome (opt-in, bounded).
-        let duplicate = matches!(&claim, Ok(Claim::InProgress { fingerprint: theirs, .. }) if *theirs == fingerprint);
-        if let (true, Some(bound)) = (duplicate, config.wait) {
-            if let Some(_waiting) = config.waiters.enter(config.max_waiting) {
+        if let Some(bound) = config.wait {
+            let duplicate = matches!(&claim, Ok(Claim::InProgress { fingerprint: theirs, .. }) if *theirs == fingerprint);
+            if let Some(_waiting) = duplicate
+                .then(|| config.waiters.enter(config.max_waiting))
+                .flatten()
+            {
                 let again = || claim_key(&store, &config, &scope, fingerprint, token);
                 // Boxed: kept in place, this rare path would make every request's future
                 // larger.
@@ -168,14 +180,19 @@ async fn claim_key(
     let claim = store
         .claim_with_token(scope, fingerprint, token, config.lease)
         .await;
-    // A claim that failed (a timeout, a dropped connection) may still have been applied: it
-    // is released like an abandoned one, so it cannot hold the key for a lease. One the
-    // store could not take needs no release, and during an outage sending one would only
-    // double the failed attempts.
-    if matches!(claim, Ok(_) | Err(store::Error::Unavailable(_))) {
+    if settled(&claim) {
         abandoned.disarm();
     }
     claim
+}
+
+/// Whether a claim's outcome is known. One that failed (a timeout, a dropped connection)
+/// may still have been applied: it is released like an abandoned one, so it cannot hold the
+/// key for a lease. One the store could not take needs no release, and during an outage
+/// sending one would only double the failed attempts. (The first claim of a request is
+/// written out in place, as [`claim_key`] is: a call would cost every request a future.)
+fn settled(claim: &store::Result<Claim>) -> bool {
+    matches!(claim, Ok(_) | Err(store::Error::Unavailable(_)))
 }
 
 /// When a duplicate should come back: after as long again as the holder has been running
