@@ -183,7 +183,8 @@ async fn row(name: &str, first: Arc<dyn Store>, second: Arc<dyn Store>) {
 }
 
 async fn redis_store(url: &str, prefix: &str) -> Arc<dyn Store> {
-    Arc::new(RedisStore::open(url).await.unwrap().prefix(prefix))
+    let store = RedisStore::open(url).await.unwrap().prefix(prefix);
+    Arc::new(store.announce_outcomes())
 }
 
 async fn postgres_store(url: &str) -> Arc<dyn Store> {

@@ -7,17 +7,25 @@ mod support;
 tower_idempotency::store_conformance_tests!(memory, async {
     tower_idempotency::MemoryStore::new()
 });
-tower_idempotency::store_conformance_tests!(redis, crate::support::redis_store("conformance"));
-tower_idempotency::store_conformance_tests!(
-    redis_cluster,
+tower_idempotency::store_conformance_tests!(redis, async {
+    crate::support::redis_store("conformance")
+        .await
+        .announce_outcomes()
+});
+tower_idempotency::store_conformance_tests!(redis_cluster, async {
     crate::support::cluster_store("conformance")
-);
-tower_idempotency::store_conformance_tests!(
-    redis_sentinel,
+        .await
+        .announce_outcomes()
+});
+tower_idempotency::store_conformance_tests!(redis_sentinel, async {
     crate::support::sentinel_store("conformance")
-);
+        .await
+        .announce_outcomes()
+});
 tower_idempotency::store_conformance_tests!(postgres, crate::support::postgres_store());
 tower_idempotency::store_conformance_tests!(cached_redis, async {
-    let redis = crate::support::redis_store("conformance").await;
+    let redis = crate::support::redis_store("conformance")
+        .await
+        .announce_outcomes();
     tower_idempotency::store::CachedStore::new(redis, 1000)
 });

@@ -355,12 +355,15 @@ async fn postgres_from_a_pool_hands_out_no_watch() {
 
 /// Two stores on the shared Redis under one prefix, as two instances of a service see it.
 async fn redis_instances() -> (tower_idempotency::RedisStore, tower_idempotency::RedisStore) {
-    let a = support::redis_store("waiting_across").await;
+    let a = support::redis_store("waiting_across")
+        .await
+        .announce_outcomes();
     // Not a clone, which would share its connections: another instance has its own.
     let b = tower_idempotency::RedisStore::open(&support::redis_url())
         .await
         .unwrap()
-        .prefix(a.key_prefix());
+        .prefix(a.key_prefix())
+        .announce_outcomes();
     (a, b)
 }
 
@@ -373,10 +376,13 @@ async fn redis() -> Instances {
 }
 
 async fn redis_cluster() -> Instances {
-    let a = support::cluster_store("waiting_across").await;
+    let a = support::cluster_store("waiting_across")
+        .await
+        .announce_outcomes();
     let b = support::cluster_store("waiting_across")
         .await
-        .prefix(a.key_prefix());
+        .prefix(a.key_prefix())
+        .announce_outcomes();
     Instances {
         a: Arc::new(a),
         b: Arc::new(b),
@@ -384,10 +390,13 @@ async fn redis_cluster() -> Instances {
 }
 
 async fn redis_sentinel() -> Instances {
-    let a = support::sentinel_store("waiting_across").await;
+    let a = support::sentinel_store("waiting_across")
+        .await
+        .announce_outcomes();
     let b = support::sentinel_store("waiting_across")
         .await
-        .prefix(a.key_prefix());
+        .prefix(a.key_prefix())
+        .announce_outcomes();
     Instances {
         a: Arc::new(a),
         b: Arc::new(b),
@@ -485,4 +494,12 @@ where
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("still {last:?}");
+}
+
+/// Without `announce_outcomes` a Redis store publishes nothing, so it hands out no watch:
+/// its waiters read their key again rather than wait for a message that never comes.
+#[tokio::test]
+async fn redis_without_announcements_hands_out_no_watch() {
+    let store = support::redis_store("no_announcements").await;
+    assert!(store.watch(&scope("k")).await.unwrap().is_none());
 }

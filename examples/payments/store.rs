@@ -88,7 +88,11 @@ async fn redis_store() -> Result<Option<tower_idempotency::RedisStore>, Box<dyn 
             .map_err(|_| format!("IDEMPOTENCY_REPLICAS_TIMEOUT_MS={value} is not milliseconds"))?,
         Err(_) => Duration::from_secs(1),
     };
-    let store = store.replicas(replicas, timeout);
+    let mut store = store.replicas(replicas, timeout);
+    // Requests that wait for their original are woken by every instance's announcements.
+    if std::env::var_os("IDEMPOTENCY_WAIT_MS").is_some() {
+        store = store.announce_outcomes();
+    }
     // Services (or test runs) sharing one Redis keep their keys apart.
     Ok(Some(match std::env::var("IDEMPOTENCY_PREFIX") {
         Ok(prefix) => store.prefix(prefix),

@@ -96,27 +96,36 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return false",
 /// both times (the retry's expiry differs, the record does not), so the layer may retry a
 /// completion whose reply was lost. The second writes the stored value again, so that a
 /// `WAIT` after it, on whatever connection, waits for the record.
-static COMPLETE: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(format!(
+static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_script("")));
+/// [`COMPLETE`], announcing the completion ([`RedisStore::announce_outcomes`]).
+static COMPLETE_ANNOUNCED: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_script(PUBLISH)));
+/// Sent whole (`EVAL`), not by hash: a release often goes out for a claim nobody awaits any
+/// more (its request went away or timed out), and then no one would be there to load the
+/// script and retry if Redis answered `NOSCRIPT`.
+static RELEASE: LazyLock<String> = LazyLock::new(|| release_script(""));
+/// [`RELEASE`], announcing the release ([`RedisStore::announce_outcomes`]).
+static RELEASE_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(PUBLISH));
+/// Tells the subscribers of the key's own channel that the key changed.
+const PUBLISH: &str = "redis.call('PUBLISH', KEYS[1], '')";
+
+fn complete_script(announce: &str) -> String {
+    format!(
         "{READ} if current and #current == #ARGV[2] and string.byte(current, 1) == {WITH_EXPIRY}
     and string.sub(current, 1, -{after_record}) == string.sub(ARGV[2], 1, -{after_record})
     then redis.call('SET', KEYS[1], current, 'KEEPTTL') return 1 end
 {fence} redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-redis.call('PUBLISH', KEYS[1], '')
-return 1",
+{announce} return 1",
         fence = *FENCE,
         after_record = DEADLINE_LEN + 1,
-    ))
-});
-/// Sent whole (`EVAL`), not by hash: a release often goes out for a claim nobody awaits any
-/// more (its request went away or timed out), and then no one would be there to load the
-/// script and retry if Redis answered `NOSCRIPT`.
-static RELEASE: LazyLock<String> = LazyLock::new(|| {
+    )
+}
+
+fn release_script(announce: &str) -> String {
     format!(
-        "{READ} {} redis.call('DEL', KEYS[1]) redis.call('PUBLISH', KEYS[1], '') return 1",
+        "{READ} {} redis.call('DEL', KEYS[1]) {announce} return 1",
         *FENCE
     )
-});
+}
 /// `ARGV[2]` the lease in milliseconds, `ARGV[3]` the new deadline bytes.
 static EXTEND: LazyLock<Lua> = LazyLock::new(|| {
     Lua::new(format!(
@@ -196,6 +205,8 @@ pub struct RedisStore {
     /// Relays announced completions and releases to waiters; `None` for a store made
     /// from a connection, which cannot open one of its own (its waiters poll).
     subscriber: Option<Arc<Subscriber>>,
+    /// Whether completions and releases are published ([`RedisStore::announce_outcomes`]).
+    announce: bool,
 }
 
 /// Where the commands go, batched into pipelines.
@@ -361,6 +372,7 @@ impl RedisStore {
             native_claim: Arc::new(AtomicBool::new(true)),
             acks: None,
             subscriber: None,
+            announce: false,
         }
     }
 
@@ -388,6 +400,34 @@ impl RedisStore {
     /// ```
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// Publish every completion and release on Redis (pub/sub, on a channel named as the
+    /// key), so that requests waiting for their original
+    /// ([`IdempotencyLayer::wait_for_original`](crate::IdempotencyLayer::wait_for_original))
+    /// wake the moment it is done, on whichever instance they wait. Turn it on in every
+    /// instance that shares the keys. It costs Redis one more command per completion
+    /// (measured in BENCHMARKS.md), so it is off by default: a store without it hands out
+    /// no watch, and its waiters read their key again every 20 ms, doubling up to 200 ms.
+    ///
+    /// Waiters subscribe on one connection per store, to the keys they wait on and only
+    /// while they wait. A store made from a connection ([`RedisStore::new`]) publishes
+    /// but cannot subscribe: its own waiters poll.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, RedisStore};
+    /// # async fn run() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// let store = RedisStore::open("redis://127.0.0.1/").await?.announce_outcomes();
+    /// let layer = IdempotencyLayer::new(store).wait_for_original(Duration::from_secs(5));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn announce_outcomes(mut self) -> Self {
+        self.announce = true;
         self
     }
 
@@ -714,8 +754,13 @@ impl Store for RedisStore {
         put_completed(&mut value, &fingerprint, response);
         value.put_u64(deadline(ttl));
         let ttl = millis(ttl).to_string();
+        let script = if self.announce {
+            &*COMPLETE_ANNOUNCED
+        } else {
+            &*COMPLETE
+        };
         let completed = self
-            .eval_fenced(&COMPLETE, scope, token, &[&value, ttl.as_bytes()], true)
+            .eval_fenced(script, scope, token, &[&value, ttl.as_bytes()], true)
             .await?;
         if completed == Fenced::Applied {
             self.announce(scope);
@@ -725,7 +770,12 @@ impl Store for RedisStore {
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = self.redis_key(scope);
-        let eval = script_command("EVAL", &RELEASE, &key, &[token.as_bytes()]);
+        let script = if self.announce {
+            &*RELEASE_ANNOUNCED
+        } else {
+            &*RELEASE
+        };
+        let eval = script_command("EVAL", script, &key, &[token.as_bytes()]);
         let released = fenced(self.query(eval, &key, Unawaited::Send, false).await?);
         if released == Fenced::Applied {
             self.announce(scope);
@@ -741,7 +791,7 @@ impl Store for RedisStore {
     }
 
     async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
-        let Some(subscriber) = &self.subscriber else {
+        let Some(subscriber) = self.subscriber.as_ref().filter(|_| self.announce) else {
             return Ok(None);
         };
         let key = self.redis_key(scope);
