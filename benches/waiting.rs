@@ -192,7 +192,8 @@ async fn postgres_store(url: &str) -> Arc<dyn Store> {
         .await
         .unwrap()
         .table("public", "idempotency_bench_waiting")
-        .unwrap();
+        .unwrap()
+        .announce_outcomes();
     store.migrate().await.unwrap();
     Arc::new(store)
 }

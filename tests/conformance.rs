@@ -22,7 +22,9 @@ tower_idempotency::store_conformance_tests!(redis_sentinel, async {
         .await
         .announce_outcomes()
 });
-tower_idempotency::store_conformance_tests!(postgres, crate::support::postgres_store());
+tower_idempotency::store_conformance_tests!(postgres, async {
+    crate::support::postgres_store().await.announce_outcomes()
+});
 tower_idempotency::store_conformance_tests!(cached_redis, async {
     let redis = crate::support::redis_store("conformance")
         .await

@@ -200,7 +200,7 @@ async fn postgres() -> Instances {
 
 /// Two stores on one table of their own, each with its pool and its listener.
 async fn postgres_instances() -> (PostgresStore, PostgresStore) {
-    let a = support::postgres_store().await;
+    let a = support::postgres_store().await.announce_outcomes();
     let b = postgres_on(a.table_name()).await;
     (a, b)
 }
@@ -213,6 +213,7 @@ async fn postgres_on(qualified: &str) -> PostgresStore {
         .unwrap()
         .table(schema, table)
         .unwrap()
+        .announce_outcomes()
 }
 
 /// The listener relays its own table's notifications, not another's: the same scope
@@ -220,7 +221,7 @@ async fn postgres_on(qualified: &str) -> PostgresStore {
 #[tokio::test]
 async fn postgres_listeners_relay_their_own_table_only() {
     let (a, b) = postgres_instances().await;
-    let elsewhere = support::postgres_store().await;
+    let elsewhere = support::postgres_store().await.announce_outcomes();
     assert_ne!(
         elsewhere.notification_channel(),
         b.notification_channel(),
@@ -331,7 +332,10 @@ async fn postgres_without_a_listener_hands_out_no_watch() {
         .unwrap()
         .port();
     let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
-    let unreachable = PostgresStore::connect(&url).await.unwrap();
+    let unreachable = PostgresStore::connect(&url)
+        .await
+        .unwrap()
+        .announce_outcomes();
     let watch = tokio::time::timeout(WOKEN_WITHIN * 3, unreachable.watch(&scope("none")))
         .await
         .expect("answered");
@@ -345,7 +349,7 @@ async fn postgres_from_a_pool_hands_out_no_watch() {
     let config: tokio_postgres::Config = support::database_url().parse().unwrap();
     let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
     let pool = deadpool_postgres::Pool::builder(manager).build().unwrap();
-    let store = PostgresStore::new(pool);
+    let store = PostgresStore::new(pool).announce_outcomes();
     assert!(store.watch(&scope("pooled")).await.unwrap().is_none());
     assert_eq!(store.watched(), 0);
 }
@@ -501,5 +505,13 @@ where
 #[tokio::test]
 async fn redis_without_announcements_hands_out_no_watch() {
     let store = support::redis_store("no_announcements").await;
+    assert!(store.watch(&scope("k")).await.unwrap().is_none());
+}
+
+/// Without `announce_outcomes` a PostgreSQL store notifies nothing, so it hands out no
+/// watch: its waiters read their key again.
+#[tokio::test]
+async fn postgres_without_announcements_hands_out_no_watch() {
+    let store = support::postgres_store().await;
     assert!(store.watch(&scope("k")).await.unwrap().is_none());
 }

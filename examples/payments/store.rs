@@ -39,7 +39,10 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
     if let Ok(url) = std::env::var("DATABASE_URL") {
         #[cfg(feature = "postgres")]
         {
-            let store = tower_idempotency::PostgresStore::connect(&url).await?;
+            let mut store = tower_idempotency::PostgresStore::connect(&url).await?;
+            if std::env::var_os("IDEMPOTENCY_WAIT_MS").is_some() {
+                store = store.announce_outcomes();
+            }
             store.migrate().await?;
             store.spawn_purge(Duration::from_secs(3600));
             return Ok(shared(Arc::new(store)));
