@@ -54,6 +54,10 @@ impl RedisCluster {
     /// knows every other node, agrees with the others on who owns which slots, and every
     /// replica's link to its master is up. Panics if that takes longer than 20 s.
     pub fn start_with(masters: usize, replicas_per_master: usize, persistent: bool) -> Self {
+        on_free_ports(|| Self::start_on_free_ports(masters, replicas_per_master, persistent))
+    }
+
+    fn start_on_free_ports(masters: usize, replicas_per_master: usize, persistent: bool) -> Self {
         assert!(
             masters >= 3,
             "redis-cli --cluster create needs at least 3 masters"
@@ -433,6 +437,10 @@ impl SentinelSet {
     /// Returns once the replica's link is up and every Sentinel knows the replica and the
     /// two other Sentinels. Panics if that takes longer than 20 s.
     pub fn start_with(persistent: bool) -> Self {
+        on_free_ports(|| Self::start_on_free_ports(persistent))
+    }
+
+    fn start_on_free_ports(persistent: bool) -> Self {
         let ports = free_ports(5);
         let (primary_port, replica_port) = (ports[0], ports[1]);
         let dir = temp_dir("sentinel");
@@ -654,7 +662,7 @@ impl Process {
             &format!("redis-server on port {port} to come up"),
             || {
                 if let Ok(Some(status)) = child.try_wait() {
-                    panic!("redis-server on port {port} exited at start ({status}): port taken?");
+                    panic!("redis-server on port {port} exited at start ({status}): {PORT_TAKEN}");
                 }
                 let reply = cli(port, &["PING"]);
                 (reply.trim() == "PONG").then_some(()).ok_or(reply)
@@ -716,6 +724,32 @@ fn data_node_args(port: u16, dir: &Path, persistent: bool) -> Vec<String> {
     .map(String::from)
     .to_vec()
 }
+
+/// Runs `start` again, on new ports, when a server it started found its port taken: a port
+/// is free when chosen and bound by the server a moment later, and in between another
+/// process's outgoing connection may take it. Whatever the failed attempt started is
+/// stopped as it unwinds.
+fn on_free_ports<T>(start: impl Fn() -> T + std::panic::RefUnwindSafe) -> T {
+    const ATTEMPTS: usize = 3;
+    for attempt in 1.. {
+        match std::panic::catch_unwind(&start) {
+            Ok(started) => return started,
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .unwrap_or_default();
+                if attempt == ATTEMPTS || !message.contains(PORT_TAKEN) {
+                    std::panic::resume_unwind(panic);
+                }
+            }
+        }
+    }
+    unreachable!()
+}
+
+/// What [`Process::wait_up`]'s panic says when the server exited at start.
+const PORT_TAKEN: &str = "port taken?";
 
 /// `n` distinct free loopback ports: every listener is held until all are bound, so none
 /// is handed out twice.
