@@ -4,6 +4,7 @@
 //! In an axum `Router`, `.layer(a).layer(b)` makes `b` the outermost: it sees the request
 //! first and the response last.
 
+#[macro_use]
 mod support;
 
 use std::{
@@ -32,25 +33,6 @@ use tower_http::{
 use tower_idempotency::{Principal, Store};
 
 use support::app::*;
-
-/// Runs each listed `async fn case(store: Arc<dyn Store>)` on a `MemoryStore` and on a
-/// `RedisStore` on the shared Redis (own key prefix).
-macro_rules! on_memory_and_redis {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
-            $(#[tokio::test]
-            async fn $case() {
-                super::$case(std::sync::Arc::new(tower_idempotency::MemoryStore::new())).await
-            })*
-        }
-        mod redis {
-            $(#[tokio::test]
-            async fn $case() {
-                super::$case(crate::support::shared_redis_store(stringify!($case)).await).await
-            })*
-        }
-    };
-}
 
 on_memory_and_redis!(
     compression_outside_encodes_each_replay_for_its_client,

@@ -13,7 +13,7 @@ use std::{sync::Arc, time::Duration};
 use axum::http::StatusCode;
 use tower_idempotency::{
     store::{Claim, Fenced, Watch},
-    ClaimToken, Fingerprint, PostgresStore, Scope, Store, StoredResponse,
+    ClaimToken, Fingerprint, PostgresStore, RedisStore, Scope, Store, StoredResponse,
 };
 
 use support::app::*;
@@ -192,10 +192,7 @@ async fn not_woken(watch: &mut Watch, what: &str) {
 
 async fn postgres() -> Instances {
     let (a, b) = postgres_instances().await;
-    Instances {
-        a: Arc::new(a),
-        b: Arc::new(b),
-    }
+    Instances::of(a, b)
 }
 
 /// Two stores on one table of their own, each with its pool and its listener.
@@ -358,52 +355,50 @@ async fn postgres_from_a_pool_hands_out_no_watch() {
 // Redis: pub/sub, on one server, a cluster and a Sentinel-managed primary.
 
 /// Two stores on the shared Redis under one prefix, as two instances of a service see it.
-async fn redis_instances() -> (tower_idempotency::RedisStore, tower_idempotency::RedisStore) {
-    let a = support::redis_store("waiting_across")
-        .await
-        .announce_outcomes();
+async fn redis_instances() -> (RedisStore, RedisStore) {
+    let a = support::redis_store("waiting_across").await;
     // Not a clone, which would share its connections: another instance has its own.
-    let b = tower_idempotency::RedisStore::open(&support::redis_url())
-        .await
-        .unwrap()
-        .prefix(a.key_prefix())
-        .announce_outcomes();
-    (a, b)
+    let b = RedisStore::open(&support::redis_url()).await.unwrap();
+    announcing(a, b)
 }
 
 async fn redis() -> Instances {
     let (a, b) = redis_instances().await;
-    Instances {
-        a: Arc::new(a),
-        b: Arc::new(b),
-    }
+    Instances::of(a, b)
 }
 
 async fn redis_cluster() -> Instances {
-    let a = support::cluster_store("waiting_across")
-        .await
-        .announce_outcomes();
-    let b = support::cluster_store("waiting_across")
-        .await
-        .prefix(a.key_prefix())
-        .announce_outcomes();
-    Instances {
-        a: Arc::new(a),
-        b: Arc::new(b),
-    }
+    let (a, b) = (
+        support::cluster_store("waiting_across").await,
+        support::cluster_store("waiting_across").await,
+    );
+    let (a, b) = announcing(a, b);
+    Instances::of(a, b)
 }
 
 async fn redis_sentinel() -> Instances {
-    let a = support::sentinel_store("waiting_across")
-        .await
-        .announce_outcomes();
-    let b = support::sentinel_store("waiting_across")
-        .await
-        .prefix(a.key_prefix())
-        .announce_outcomes();
-    Instances {
-        a: Arc::new(a),
-        b: Arc::new(b),
+    let (a, b) = (
+        support::sentinel_store("waiting_across").await,
+        support::sentinel_store("waiting_across").await,
+    );
+    let (a, b) = announcing(a, b);
+    Instances::of(a, b)
+}
+
+/// Two stores as two instances of one service: `b` under `a`'s key prefix, both
+/// announcing their outcomes.
+fn announcing(a: RedisStore, b: RedisStore) -> (RedisStore, RedisStore) {
+    let a = a.announce_outcomes();
+    let b = b.prefix(a.key_prefix()).announce_outcomes();
+    (a, b)
+}
+
+impl Instances {
+    fn of(a: impl Store, b: impl Store) -> Self {
+        Self {
+            a: Arc::new(a),
+            b: Arc::new(b),
+        }
     }
 }
 

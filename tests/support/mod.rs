@@ -9,13 +9,11 @@ pub mod payments;
 pub mod redis_server;
 pub mod redis_topology;
 
-/// Runs each listed `async fn case(store: Arc<dyn Store>)` once per store, as
-/// `memory::case`, `redis::case` (shared Redis, own key prefix), `redis_cluster::case` and
-/// `redis_sentinel::case` (the shared cluster and Sentinel set, own key prefix),
-/// `postgres::case` (shared PostgreSQL, own table) and `cached_redis::case` (a local cache
-/// of completed records in front of Redis).
+/// Runs each listed `async fn case(store: Arc<dyn Store>)` on a `MemoryStore`, as
+/// `memory::case`, and on the shared Redis (own key prefix), as `redis::case`: for cases
+/// about the layer rather than the store.
 #[allow(unused_macros)] // Not every test file runs cases per store.
-macro_rules! for_each_store {
+macro_rules! on_memory_and_redis {
     ($($case:ident),* $(,)?) => {
         mod memory {
             $(#[tokio::test]
@@ -29,6 +27,18 @@ macro_rules! for_each_store {
                 super::$case(crate::support::shared_redis_store(stringify!($case)).await).await
             })*
         }
+    };
+}
+
+/// Runs each listed `async fn case(store: Arc<dyn Store>)` once per store, as
+/// `memory::case`, `redis::case` (shared Redis, own key prefix), `redis_cluster::case` and
+/// `redis_sentinel::case` (the shared cluster and Sentinel set, own key prefix),
+/// `postgres::case` (shared PostgreSQL, own table) and `cached_redis::case` (a local cache
+/// of completed records in front of Redis).
+#[allow(unused_macros)] // Not every test file runs cases per store.
+macro_rules! for_each_store {
+    ($($case:ident),* $(,)?) => {
+        on_memory_and_redis!($($case),*);
         mod postgres {
             $(#[tokio::test]
             async fn $case() {
