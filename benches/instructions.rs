@@ -7,19 +7,25 @@
 //! `<path>` (256-byte bodies); two runs with N and 2N requests give the cost of one request
 //! without the start-up. Redis paths use `REDIS_URL` (default 127.0.0.1:6379).
 //! `first_redis_16` sends its first executions 16 at a time, as concurrent requests under
-//! load do, so that their Redis commands leave in shared batches.
+//! load do, so that their Redis commands leave in shared batches. `waiter_memory` sends the
+//! requests as duplicates of one original held at its handler, all waiting for it
+//! (`wait_for_original`), then lets the original finish: the cost of one waiter, from its
+//! claim to its replay.
 
 mod support;
 
-use std::sync::Arc;
+use std::{convert::Infallible, sync::Arc, time::Duration};
 
 use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tokio::sync::Semaphore;
 use tower_idempotency::{store::CachedStore, IdempotencyLayer, MemoryStore, RedisStore, Store};
 
 use support::{call, handler, redis_url, request};
 
 const PATHS: &str = "bare, pass_through, first_memory, replay_memory, first_redis, replay_redis, \
-    first_cached_redis, replay_cached_redis, first_redis_16";
+    first_cached_redis, replay_cached_redis, first_redis_16, waiter_memory";
 /// Requests at a time on `first_redis_16`.
 const AT_A_TIME: usize = 16;
 
@@ -53,6 +59,10 @@ fn main() {
         .layer(IdempotencyLayer::from_shared(store))
         .service(handler());
     let body = Bytes::from(vec![b'x'; 256]);
+    if path == "waiter_memory" {
+        runtime.block_on(waiters(requests, &body));
+        return;
+    }
     runtime.block_on(async {
         call(&layered, request("POST", Some("replayed"), &body)).await;
         if path == "first_redis_16" {
@@ -83,4 +93,40 @@ fn main() {
             assert_eq!(answer.len(), body.len());
         }
     });
+}
+
+/// `requests` duplicates waiting for one original on the memory store, answered by its replay.
+async fn waiters(requests: usize, body: &Bytes) {
+    let gate = Arc::new(Semaphore::new(0));
+    let held = Arc::clone(&gate);
+    // The original's handler waits at the gate; the duplicates never reach theirs.
+    let handler = tower::service_fn(move |_: Request<Full<Bytes>>| {
+        let gate = Arc::clone(&held);
+        async move {
+            gate.acquire().await.unwrap().forget();
+            let mut response = Response::new(Full::new(Bytes::from(vec![b'x'; 256])));
+            *response.status_mut() = StatusCode::CREATED;
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .wait_for_original(Duration::from_secs(60))
+        .max_waiting(requests + 1);
+    let layered = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(handler);
+    let send = || {
+        let (layered, request) = (layered.clone(), request("POST", Some("held"), body));
+        tokio::spawn(async move { call(&layered, request).await })
+    };
+    let original = send();
+    let duplicates: Vec<_> = (0..requests).map(|_| send()).collect();
+    while layer.waiting() < requests {
+        tokio::task::yield_now().await;
+    }
+    gate.add_permits(1);
+    assert_eq!(original.await.unwrap().len(), body.len());
+    for duplicate in duplicates {
+        assert_eq!(duplicate.await.unwrap().len(), body.len());
+    }
 }

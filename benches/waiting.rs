@@ -5,7 +5,8 @@
 //! what polling would give. Prints a Markdown table.
 //!
 //! `cargo bench --bench waiting` (Redis: a redis-server of its own on a free port;
-//! PostgreSQL: `DATABASE_URL`, default the local server, on a table of its own).
+//! PostgreSQL: `DATABASE_URL`, default the local server, on a table of its own;
+//! `WAITING_ROWS=memory`, say, measures only the rows whose name contains it).
 
 #[allow(dead_code)] // Shared with the tests, which use all of it.
 #[path = "../tests/support/redis_server.rs"]
@@ -169,6 +170,10 @@ fn ms(duration: Duration) -> String {
 }
 
 async fn row(name: &str, first: Arc<dyn Store>, second: Arc<dyn Store>) {
+    // `WAITING_ROWS=memory` (say) measures only the rows whose name contains it.
+    if std::env::var("WAITING_ROWS").is_ok_and(|only| !name.contains(only.as_str())) {
+        return;
+    }
     let mut cells = Vec::new();
     for (waiters, rounds) in [(1, ROUNDS_ONE), (MANY, ROUNDS_MANY)] {
         let mut sorted = delays(first.clone(), second.clone(), waiters, rounds).await;

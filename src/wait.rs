@@ -117,7 +117,7 @@ where
         let lease_ends = now + lease_remaining + PAST_LEASE;
         match watch.as_mut() {
             Some(watch) => {
-                let woken = tokio::time::timeout_at(deadline.min(lease_ends), watch.changed());
+                let woken = tokio::time::timeout_at(deadline.min(lease_ends), watch.announced());
                 announced = woken.await.is_ok();
             }
             None => {

@@ -5,7 +5,7 @@ use std::{
     fmt,
     future::Future,
     sync::{
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
         Arc, Mutex,
     },
     time::Duration,
@@ -102,7 +102,10 @@ impl Announcements {
         let keys = self.lock();
         if let Some(slot) = keys.get(key) {
             slot.changes.fetch_add(1, Ordering::AcqRel);
-            slot.announced.notify_waiters();
+            // One watch wakes, and passes the change on to the others: at once from
+            // `changed`, or from `read_shared` once it has read the key, so that waiters
+            // woken for a read are woken once, with its finding, not twice.
+            slot.announced.notify_one();
         }
     }
 
@@ -131,6 +134,14 @@ impl Watch {
     /// Returns once a change to the key was announced since the watch was made, or since
     /// this last returned.
     pub async fn changed(&mut self) {
+        self.announced().await;
+        self.slot.announced.notify_waiters();
+    }
+
+    /// Returns as [`changed`](Self::changed) does, but leaves the others watching the key
+    /// asleep when it was the one woken: its caller reads the key next, with
+    /// [`read_shared`](Self::read_shared), which wakes them with what it found.
+    pub(crate) async fn announced(&mut self) {
         loop {
             let announced = self.slot.announced.notified();
             tokio::pin!(announced);
@@ -174,11 +185,17 @@ impl Watch {
             }
         };
         // One waiter reads; the others wait for its finding, all woken together when it
-        // has one. (Should its read fail, the next tries.)
+        // has one, whether they wait here or still for the announcement. (Should its read
+        // fail, or its request go away, the next tries.)
+        let reader = PassOn {
+            announced: &self.slot.announced,
+            read: AtomicBool::new(false),
+        };
         let mut own = None;
         let found = shared
             .found
             .get_or_try_init(|| async {
+                reader.read.store(true, Ordering::Relaxed);
                 let found = read().await;
                 let shared = match &found {
                     Ok(Claim::Claimed(_)) => Ok(Claim::InProgress {
@@ -193,6 +210,7 @@ impl Watch {
                 shared
             })
             .await;
+        drop(reader);
         match (own, found) {
             (Some(own), _) => own,
             (None, Ok(found)) => Ok(found.clone()),
@@ -211,6 +229,21 @@ impl Watch {
     pub fn keeping(mut self, guard: impl Send + Sync + 'static) -> Self {
         self._keeping = Some(Box::new(guard));
         self
+    }
+}
+
+/// Wakes every watch on a key once the waiter that read it for them is done, found
+/// something or not, or went away.
+struct PassOn<'a> {
+    announced: &'a Notify,
+    read: AtomicBool,
+}
+
+impl Drop for PassOn<'_> {
+    fn drop(&mut self) {
+        if *self.read.get_mut() {
+            self.announced.notify_waiters();
+        }
     }
 }
 
@@ -291,5 +324,108 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(board.watched(), 0);
+    }
+
+    /// `count` waiters on one key, each waiting for an announcement and then reading the
+    /// key through `read_shared` with `read`; returns their findings once all are back.
+    async fn waiters_reading<R>(
+        board: &Announcements,
+        count: usize,
+        read: R,
+    ) -> Vec<tokio::task::JoinHandle<Result<Claim>>>
+    where
+        R: Fn() -> std::pin::Pin<Box<dyn Future<Output = Result<Claim>> + Send>>
+            + Clone
+            + Send
+            + 'static,
+    {
+        let tasks = (0..count)
+            .map(|_| {
+                let mut watch = board.watch("k");
+                let read = read.clone();
+                tokio::spawn(async move {
+                    watch.announced().await;
+                    let lease = Duration::from_secs(1);
+                    watch
+                        .read_shared(Fingerprint::from_bytes([1; 32]), lease, read)
+                        .await
+                })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        tasks
+    }
+
+    fn completed() -> Claim {
+        Claim::Completed {
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            response: crate::StoredResponse {
+                status: http::StatusCode::CREATED,
+                headers: http::HeaderMap::new(),
+                body: bytes::Bytes::from_static(b"{}"),
+                trailers: None,
+            },
+            expires_in: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn one_announcement_is_read_once_for_every_waiter() {
+        let board = Announcements::new();
+        let reads = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&reads);
+        let read = move || {
+            let reads = Arc::clone(&counted);
+            Box::pin(async move {
+                reads.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                Ok(completed())
+            }) as std::pin::Pin<Box<dyn Future<Output = Result<Claim>> + Send>>
+        };
+        let waiters = waiters_reading(&board, 100, read).await;
+        board.announce("k");
+        for waiter in waiters {
+            let found = tokio::time::timeout(Duration::from_secs(1), waiter)
+                .await
+                .expect("woken with the finding")
+                .unwrap();
+            assert_eq!(found.unwrap(), completed());
+        }
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_goes_away_passes_the_read_on() {
+        let board = Announcements::new();
+        let reads = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&reads);
+        // The first read never ends; the next finds the record.
+        let read = move || {
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            Box::pin(async move {
+                if first {
+                    std::future::pending::<()>().await;
+                }
+                Ok(completed())
+            }) as std::pin::Pin<Box<dyn Future<Output = Result<Claim>> + Send>>
+        };
+        let mut waiters = waiters_reading(&board, 10, read).await;
+        board.announce("k");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 1, "one waiter reads");
+        // The reader is the one waiter that has not finished; its request goes away.
+        let reader = waiters.iter().position(|waiter| !waiter.is_finished());
+        let reader = waiters.remove(reader.expect("the reader still reads"));
+        assert!(waiters.iter().all(|waiter| !waiter.is_finished()));
+        reader.abort();
+        for waiter in waiters {
+            let found = tokio::time::timeout(Duration::from_secs(1), waiter)
+                .await
+                .expect("woken after the reader went away")
+                .unwrap();
+            assert_eq!(found.unwrap(), completed());
+        }
+        assert_eq!(reads.load(Ordering::SeqCst), 2);
     }
 }
