@@ -5,6 +5,7 @@ pub mod app;
 #[cfg(feature = "tonic")]
 pub mod grpc;
 pub mod logs;
+pub mod lossy_proxy;
 pub mod payments;
 pub mod redis_server;
 pub mod redis_topology;

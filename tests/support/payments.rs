@@ -523,6 +523,8 @@ fn test_features() -> Vec<&'static str> {
         ("axum", cfg!(feature = "axum")),
         ("hyper", cfg!(feature = "hyper")),
         ("tonic", cfg!(feature = "tonic")),
+        ("client", cfg!(feature = "client")),
+        ("reqwest", cfg!(feature = "reqwest")),
     ]
     .into_iter()
     .filter_map(|(feature, enabled)| enabled.then_some(feature))

@@ -1,0 +1,203 @@
+//! The client half end to end: payments through a proxy that loses a third of the
+//! exchanges (resets connections before the request arrives, drops responses after the
+//! server handled the request), against the `payments` example on the in-memory store and
+//! on Redis. Every payment must be executed exactly once (the server's counter) and every
+//! call must return the payment's original `201`, byte for byte.
+
+#[macro_use]
+mod support;
+
+use std::{collections::HashSet, time::Duration};
+
+use bytes::Bytes;
+use futures_util::{stream, StreamExt};
+use http::{header, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use serde_json::Value;
+use support::{
+    lossy_proxy::{Counts, LossyProxy},
+    payments::{charge, ExampleProcess},
+};
+use tower::{Layer, ServiceExt};
+use tower_idempotency::client::{
+    Backoff, IdempotentCall, IdempotentClientLayer, IdempotentMiddleware,
+};
+
+/// Shares of requests whose connection is reset before they arrive, and whose response is
+/// dropped after the server handled them.
+const RESET: f64 = 0.1;
+const DROP: f64 = 0.3;
+const CONCURRENCY: usize = 8;
+const USER: &str = "client-e2e";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hyper_client_pays_once_through_loss_on_memory() {
+    exactly_once_through_loss(&[], Http::Hyper, 200).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hyper_client_pays_once_through_loss_on_redis() {
+    let url = support::redis_url();
+    exactly_once_through_loss(&[("REDIS_URL", &url)], Http::Hyper, 200).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reqwest_client_pays_once_through_loss_on_memory() {
+    exactly_once_through_loss(&[], Http::Reqwest, 200).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reqwest_client_pays_once_through_loss_on_redis() {
+    let url = support::redis_url();
+    exactly_once_through_loss(&[("REDIS_URL", &url)], Http::Reqwest, 200).await;
+}
+
+/// The HTTP client under the idempotent client.
+#[derive(Clone, Copy, Debug)]
+enum Http {
+    Hyper,
+    Reqwest,
+}
+
+/// What one logical payment came to.
+struct Paid {
+    amount: i64,
+    status: StatusCode,
+    body: Bytes,
+    call: IdempotentCall,
+}
+
+/// Retries fast, and enough times that a payment loses every attempt (40 % each) with a
+/// probability of about 1e-8.
+fn layer() -> IdempotentClientLayer {
+    IdempotentClientLayer::new()
+        .backoff(Backoff::new(
+            Duration::from_millis(5),
+            Duration::from_millis(100),
+        ))
+        .max_attempts(20)
+        .deadline(Duration::from_secs(60))
+        .attempt_timeout(Duration::from_secs(10))
+}
+
+async fn exactly_once_through_loss(env: &[(&str, &str)], http: Http, payments: usize) {
+    let server = ExampleProcess::start(env).await;
+    let proxy = LossyProxy::start(server.addr(), RESET, DROP).await;
+    let url = format!("http://{}/v1/payments", proxy.addr());
+    let pay = payer(http, url);
+
+    let paid: Vec<Paid> = stream::iter(0..payments)
+        .map(|i| pay(1000 + i as i64))
+        .buffer_unordered(CONCURRENCY)
+        .collect()
+        .await;
+
+    let counts = proxy.counts();
+    let attempts: u64 = paid.iter().map(|p| u64::from(p.call.attempts)).sum();
+    let replayed = paid.iter().filter(|p| p.call.replayed).count();
+    eprintln!("{http:?}, {payments} payments: {attempts} attempts, {replayed} answered by a replay, proxy {counts:?}");
+    assert_losses_happened(counts, payments);
+    assert!(attempts > payments as u64, "{attempts} attempts");
+    assert!(replayed > 0, "no call was answered by a replay");
+    let executed = server.api().stats().await.payments_executed;
+    assert_eq!(executed, payments as u64, "payments executed");
+
+    let mut ids = HashSet::new();
+    for p in &paid {
+        assert_eq!(
+            p.status,
+            StatusCode::CREATED,
+            "{}",
+            String::from_utf8_lossy(&p.body)
+        );
+        let body: Value = serde_json::from_slice(&p.body).expect("a JSON payment");
+        assert_eq!(body["amount"], p.amount);
+        assert!(ids.insert(body["id"].as_str().expect("an id").to_owned()));
+        // What the server recorded for the key, asked directly, is what the call returned.
+        let recorded = server.api().pay(&p.call.key, USER, &charge(p.amount)).await;
+        assert!(recorded.replayed(), "{recorded:?}");
+        assert_eq!(
+            recorded.body, p.body,
+            "the original answer for {}",
+            p.call.key
+        );
+    }
+    assert_eq!(ids.len(), payments);
+    assert_eq!(
+        server.api().stats().await.payments_executed,
+        payments as u64
+    );
+}
+
+/// The proxy lost exchanges of both kinds, so the run tested something.
+fn assert_losses_happened(counts: Counts, payments: usize) {
+    assert!(counts.resets > 0, "{counts:?}");
+    assert!(counts.dropped > 0, "{counts:?}");
+    assert!(counts.requests >= payments as u64, "{counts:?}");
+}
+
+/// A function that makes one payment of `amount` through `http` with the idempotent client.
+fn payer(
+    http: Http,
+    url: String,
+) -> impl Fn(i64) -> futures_util::future::BoxFuture<'static, Paid> {
+    let hyper = layer().layer(Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>());
+    let reqwest = reqwest_middleware::ClientBuilder::new(
+        reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .expect("reqwest client"),
+    )
+    .with(IdempotentMiddleware::from(layer()))
+    .build();
+    move |amount| {
+        let body = charge(amount).to_string();
+        let (url, hyper, reqwest) = (url.clone(), hyper.clone(), reqwest.clone());
+        Box::pin(async move {
+            match http {
+                Http::Hyper => {
+                    let request = Request::post(url)
+                        .header(header::CONTENT_TYPE, "application/json")
+                        .header(header::AUTHORIZATION, format!("Bearer {USER}"))
+                        .body(Full::new(Bytes::from(body)))
+                        .expect("a request");
+                    let response = hyper.oneshot(request).await.expect("an answer");
+                    let call = response.extensions().get::<IdempotentCall>().cloned();
+                    let status = response.status();
+                    let body = response
+                        .into_body()
+                        .collect()
+                        .await
+                        .expect("a body")
+                        .to_bytes();
+                    Paid {
+                        amount,
+                        status,
+                        body,
+                        call: call.expect("an IdempotentCall"),
+                    }
+                }
+                Http::Reqwest => {
+                    let response = reqwest
+                        .post(url)
+                        .header(header::CONTENT_TYPE, "application/json")
+                        .bearer_auth(USER)
+                        .body(body)
+                        .send()
+                        .await
+                        .expect("an answer");
+                    let call = response.extensions().get::<IdempotentCall>().cloned();
+                    let status = response.status();
+                    let body = response.bytes().await.expect("a body");
+                    Paid {
+                        amount,
+                        status,
+                        body,
+                        call: call.expect("an IdempotentCall"),
+                    }
+                }
+            }
+        })
+    }
+}
