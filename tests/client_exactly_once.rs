@@ -2,7 +2,8 @@
 //! exchanges (resets connections before the request arrives, drops responses after the
 //! server handled the request), against the `payments` example on the in-memory store and
 //! on Redis. Every payment must be executed exactly once (the server's counter) and every
-//! call must return the payment's original `201`, byte for byte.
+//! call must return the payment's original `201`, byte for byte. And the `charge` example,
+//! the same client as a command, keeps its contract through the same proxy.
 
 #[macro_use]
 mod support;
@@ -17,7 +18,7 @@ use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use serde_json::Value;
 use support::{
     lossy_proxy::{Counts, LossyProxy},
-    payments::{charge, ExampleProcess},
+    payments::{build_example, charge, ExampleProcess},
 };
 use tower::{Layer, ServiceExt};
 use tower_idempotency::client::{
@@ -51,6 +52,35 @@ async fn reqwest_client_pays_once_through_loss_on_memory() {
 async fn reqwest_client_pays_once_through_loss_on_redis() {
     let url = support::redis_url();
     exactly_once_through_loss(&[("REDIS_URL", &url)], Http::Reqwest, 200).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charge_example_pays_once_through_loss_and_prints_its_contract_line() {
+    const COUNT: u64 = 40;
+    let server = ExampleProcess::start(&[]).await;
+    // Lighter losses: the example makes at most 10 attempts per payment.
+    let proxy = LossyProxy::start(server.addr(), 0.1, 0.2).await;
+    let output = tokio::process::Command::new(build_example("charge"))
+        .args(["--url", &format!("http://{}", proxy.addr())])
+        .args(["--count", &COUNT.to_string(), "--concurrency", "8"])
+        .args(["--user", "charge-example"])
+        .output()
+        .await
+        .expect("run the charge example");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{}: {stderr}", output.status);
+    let stdout = String::from_utf8(output.stdout).expect("UTF-8 output");
+    let last = stdout.lines().last().expect("a last line");
+
+    let counts = proxy.counts();
+    assert_losses_happened(counts, COUNT as usize);
+    let expected = format!(
+        r#"{{"succeeded":{COUNT},"failed":0,"attempts":{},"distinct_ids":{COUNT}}}"#,
+        counts.requests
+    );
+    assert_eq!(last, expected, "{stderr}");
+    assert!(counts.requests > COUNT, "{counts:?}");
+    assert_eq!(server.api().stats().await.payments_executed, COUNT);
 }
 
 /// The HTTP client under the idempotent client.
