@@ -10,20 +10,15 @@ mod support;
 
 use std::{collections::HashSet, time::Duration};
 
-use bytes::Bytes;
 use futures_util::{stream, StreamExt};
-use http::{header, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use http::StatusCode;
 use serde_json::Value;
 use support::{
+    client::{Answer, Clients, Http},
     lossy_proxy::{Counts, LossyProxy},
     payments::{build_example, charge, ExampleProcess},
 };
-use tower::{Layer, ServiceExt};
-use tower_idempotency::client::{
-    Backoff, IdempotentCall, IdempotentClientLayer, IdempotentMiddleware,
-};
+use tower_idempotency::client::{Backoff, IdempotentClientLayer};
 
 /// Shares of requests whose connection is reset before they arrive, and whose response is
 /// dropped after the server handled them.
@@ -83,49 +78,44 @@ async fn charge_example_pays_once_through_loss_and_prints_its_contract_line() {
     assert_eq!(server.api().stats().await.payments_executed, COUNT);
 }
 
-/// The HTTP client under the idempotent client.
-#[derive(Clone, Copy, Debug)]
-enum Http {
-    Hyper,
-    Reqwest,
-}
-
-/// What one logical payment came to.
-struct Paid {
-    amount: i64,
-    status: StatusCode,
-    body: Bytes,
-    call: IdempotentCall,
-}
-
 /// Retries fast, and enough times that a payment loses every attempt (40 % each) with a
 /// probability of about 1e-8.
-fn layer() -> IdempotentClientLayer {
-    IdempotentClientLayer::new()
-        .backoff(Backoff::new(
-            Duration::from_millis(5),
-            Duration::from_millis(100),
-        ))
-        .max_attempts(20)
-        .deadline(Duration::from_secs(60))
-        .attempt_timeout(Duration::from_secs(10))
+fn clients() -> Clients {
+    Clients::new(
+        IdempotentClientLayer::new()
+            .backoff(Backoff::new(
+                Duration::from_millis(5),
+                Duration::from_millis(100),
+            ))
+            .max_attempts(20)
+            .deadline(Duration::from_secs(60))
+            .attempt_timeout(Duration::from_secs(10)),
+    )
 }
 
 async fn exactly_once_through_loss(env: &[(&str, &str)], http: Http, payments: usize) {
     let server = ExampleProcess::start(env).await;
     let proxy = LossyProxy::start(server.addr(), RESET, DROP).await;
     let url = format!("http://{}/v1/payments", proxy.addr());
-    let pay = payer(http, url);
+    let clients = clients();
 
-    let paid: Vec<Paid> = stream::iter(0..payments)
-        .map(|i| pay(1000 + i as i64))
+    let paid: Vec<(i64, Answer)> = stream::iter(0..payments)
+        .map(|i| {
+            let amount = 1000 + i as i64;
+            let clients = clients.clone();
+            let url = url.clone();
+            async move {
+                let body = charge(amount);
+                (amount, clients.post(http, &url, None, USER, &body).await)
+            }
+        })
         .buffer_unordered(CONCURRENCY)
         .collect()
         .await;
 
     let counts = proxy.counts();
-    let attempts: u64 = paid.iter().map(|p| u64::from(p.call.attempts)).sum();
-    let replayed = paid.iter().filter(|p| p.call.replayed).count();
+    let attempts: u64 = paid.iter().map(|(_, p)| u64::from(p.call.attempts)).sum();
+    let replayed = paid.iter().filter(|(_, p)| p.call.replayed).count();
     eprintln!("{http:?}, {payments} payments: {attempts} attempts, {replayed} answered by a replay, proxy {counts:?}");
     assert_losses_happened(counts, payments);
     assert!(attempts > payments as u64, "{attempts} attempts");
@@ -134,7 +124,7 @@ async fn exactly_once_through_loss(env: &[(&str, &str)], http: Http, payments: u
     assert_eq!(executed, payments as u64, "payments executed");
 
     let mut ids = HashSet::new();
-    for p in &paid {
+    for (amount, p) in &paid {
         assert_eq!(
             p.status,
             StatusCode::CREATED,
@@ -142,10 +132,10 @@ async fn exactly_once_through_loss(env: &[(&str, &str)], http: Http, payments: u
             String::from_utf8_lossy(&p.body)
         );
         let body: Value = serde_json::from_slice(&p.body).expect("a JSON payment");
-        assert_eq!(body["amount"], p.amount);
+        assert_eq!(body["amount"], *amount);
         assert!(ids.insert(body["id"].as_str().expect("an id").to_owned()));
         // What the server recorded for the key, asked directly, is what the call returned.
-        let recorded = server.api().pay(&p.call.key, USER, &charge(p.amount)).await;
+        let recorded = server.api().pay(&p.call.key, USER, &charge(*amount)).await;
         assert!(recorded.replayed(), "{recorded:?}");
         assert_eq!(
             recorded.body, p.body,
@@ -165,69 +155,4 @@ fn assert_losses_happened(counts: Counts, payments: usize) {
     assert!(counts.resets > 0, "{counts:?}");
     assert!(counts.dropped > 0, "{counts:?}");
     assert!(counts.requests >= payments as u64, "{counts:?}");
-}
-
-/// A function that makes one payment of `amount` through `http` with the idempotent client.
-fn payer(
-    http: Http,
-    url: String,
-) -> impl Fn(i64) -> futures_util::future::BoxFuture<'static, Paid> {
-    let hyper = layer().layer(Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>());
-    let reqwest = reqwest_middleware::ClientBuilder::new(
-        reqwest::Client::builder()
-            .no_proxy()
-            .build()
-            .expect("reqwest client"),
-    )
-    .with(IdempotentMiddleware::from(layer()))
-    .build();
-    move |amount| {
-        let body = charge(amount).to_string();
-        let (url, hyper, reqwest) = (url.clone(), hyper.clone(), reqwest.clone());
-        Box::pin(async move {
-            match http {
-                Http::Hyper => {
-                    let request = Request::post(url)
-                        .header(header::CONTENT_TYPE, "application/json")
-                        .header(header::AUTHORIZATION, format!("Bearer {USER}"))
-                        .body(Full::new(Bytes::from(body)))
-                        .expect("a request");
-                    let response = hyper.oneshot(request).await.expect("an answer");
-                    let call = response.extensions().get::<IdempotentCall>().cloned();
-                    let status = response.status();
-                    let body = response
-                        .into_body()
-                        .collect()
-                        .await
-                        .expect("a body")
-                        .to_bytes();
-                    Paid {
-                        amount,
-                        status,
-                        body,
-                        call: call.expect("an IdempotentCall"),
-                    }
-                }
-                Http::Reqwest => {
-                    let response = reqwest
-                        .post(url)
-                        .header(header::CONTENT_TYPE, "application/json")
-                        .bearer_auth(USER)
-                        .body(body)
-                        .send()
-                        .await
-                        .expect("an answer");
-                    let call = response.extensions().get::<IdempotentCall>().cloned();
-                    let status = response.status();
-                    let body = response.bytes().await.expect("a body");
-                    Paid {
-                        amount,
-                        status,
-                        body,
-                        call: call.expect("an IdempotentCall"),
-                    }
-                }
-            }
-        })
-    }
 }

@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 pub mod app;
+#[cfg(feature = "reqwest")]
+pub mod client;
 #[cfg(feature = "tonic")]
 pub mod grpc;
 pub mod logs;
