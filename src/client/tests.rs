@@ -372,3 +372,22 @@ async fn a_replaced_policy_decides() {
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(seen.attempts(), 3);
 }
+
+#[test]
+fn the_readme_shows_the_module_example_which_compiles() {
+    let module = include_str!("mod.rs");
+    let readme = include_str!("../../README.md");
+    let lines = module
+        .lines()
+        .filter_map(|line| line.strip_prefix("//!"))
+        .map(|line| line.strip_prefix(' ').unwrap_or(line));
+    let example: Vec<&str> = lines
+        .skip_while(|line| *line != "```no_run")
+        .skip(1)
+        .take_while(|line| *line != "```")
+        .filter(|line| !line.starts_with("# "))
+        .collect();
+    assert!(example.len() > 5, "{example:?}");
+    let example = format!("```rust\n{}\n```", example.join("\n"));
+    assert!(readme.contains(&example), "README differs from:\n{example}");
+}
