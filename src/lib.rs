@@ -34,12 +34,18 @@
 //!
 //! The handler's errors, panics and 5xx, `408` and `429` answers release the key, so a
 //! retry executes again.
+//!
+//! The client half, for callers of such an API, is the `client` module (feature
+//! `client`): one key per call, reused by every retry, with backoff, jitter and a deadline.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations)]
 
 mod body;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;

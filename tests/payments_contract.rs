@@ -37,6 +37,7 @@ const MAX_REQUEST_BODY: usize = 1024 * 1024;
 
 for_each_store!(
     payment_is_created_once_and_replayed,
+    form_payment_is_created_once_and_replayed,
     quoted_key_names_the_bare_key,
     key_is_required_on_payments_and_tokens,
     key_is_optional_on_refunds,
@@ -66,6 +67,36 @@ async fn payment_is_created_once_and_replayed(store: Arc<dyn Store>) {
     let retry = api.pay(&key, "alice", &charge(1999)).await;
     retry.assert_replay_of(&first);
     assert_eq!(api.stats().await.payments_executed, 1);
+}
+
+async fn form_payment_is_created_once_and_replayed(store: Arc<dyn Store>) {
+    let (api, _server) = serve(store).await;
+    let key = fresh_key();
+    let pay = |body| api.post("/v1/payments").key(&key).user("alice").form(body);
+
+    let first = pay("amount=1999&currency=usd").send().await;
+    first.assert_fresh();
+    first.assert_payment(1999, "usd");
+    let retry = pay("amount=1999&currency=usd").send().await;
+    retry.assert_replay_of(&first);
+    let changed = pay("amount=2000&currency=usd").send().await;
+    changed.assert_error(
+        StatusCode::CONFLICT,
+        "idempotency_key_reused_with_different_params",
+    );
+
+    // The optional fields, as form values, each under a key of its own.
+    let once = |body| {
+        let post = api.post("/v1/payments").key(&fresh_key()).user("alice");
+        post.form(body).send()
+    };
+    let declined = once("amount=5&currency=eur&simulate=decline").await;
+    declined.assert_error(StatusCode::PAYMENT_REQUIRED, "card_declined");
+    let slow = once("amount=700&currency=usd&simulate=slow&delay_ms=1").await;
+    slow.assert_payment(700, "usd");
+    let malformed = once("amount=lots&currency=usd").await;
+    assert!(malformed.status.is_client_error(), "{malformed:?}");
+    assert_eq!(api.stats().await.payments_executed, 3);
 }
 
 async fn quoted_key_names_the_bare_key(store: Arc<dyn Store>) {

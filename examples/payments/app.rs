@@ -10,11 +10,11 @@ use std::{
 };
 
 use axum::{
-    extract::State,
+    extract::{FromRequest, Request, State},
     http::{header, request::Parts, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post},
-    Json, Router,
+    Form, Json, Router,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -128,6 +128,34 @@ struct Charge {
     delay_ms: Option<u64>,
 }
 
+/// A charge as JSON (the default) or, as Stripe's API takes it, as
+/// `application/x-www-form-urlencoded` (`amount=1999&currency=usd`).
+struct ChargeBody(Charge);
+
+impl<S: Send + Sync> FromRequest<S> for ChargeBody {
+    type Rejection = Response;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let form = request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|value| value.starts_with("application/x-www-form-urlencoded"));
+        let charge = if form {
+            Form::<Charge>::from_request(request, state)
+                .await
+                .map_err(IntoResponse::into_response)?
+                .0
+        } else {
+            Json::<Charge>::from_request(request, state)
+                .await
+                .map_err(IntoResponse::into_response)?
+                .0
+        };
+        Ok(Self(charge))
+    }
+}
+
 #[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 enum Simulate {
@@ -136,7 +164,10 @@ enum Simulate {
     Slow,
 }
 
-async fn create_payment(State(stats): State<Arc<Stats>>, Json(charge): Json<Charge>) -> Response {
+async fn create_payment(
+    State(stats): State<Arc<Stats>>,
+    ChargeBody(charge): ChargeBody,
+) -> Response {
     stats.payments.fetch_add(1, Ordering::Relaxed);
     match charge.simulate {
         Some(Simulate::Error) => {
@@ -162,7 +193,10 @@ async fn create_payment(State(stats): State<Arc<Stats>>, Json(charge): Json<Char
     created(&stats, "pay", "/v1/payments", charge)
 }
 
-async fn create_refund(State(stats): State<Arc<Stats>>, Json(charge): Json<Charge>) -> Response {
+async fn create_refund(
+    State(stats): State<Arc<Stats>>,
+    ChargeBody(charge): ChargeBody,
+) -> Response {
     stats.refunds.fetch_add(1, Ordering::Relaxed);
     created(&stats, "re", "/v1/refunds", charge)
 }

@@ -2,9 +2,12 @@
 #![allow(dead_code)]
 
 pub mod app;
+#[cfg(feature = "reqwest")]
+pub mod client;
 #[cfg(feature = "tonic")]
 pub mod grpc;
 pub mod logs;
+pub mod lossy_proxy;
 pub mod payments;
 pub mod redis_server;
 pub mod redis_topology;

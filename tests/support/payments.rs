@@ -176,6 +176,16 @@ impl Post {
         }
     }
 
+    /// Sends `body` as `application/x-www-form-urlencoded` (`amount=1999&currency=usd`).
+    pub fn form(self, body: &'static str) -> Self {
+        Self {
+            request: self
+                .request
+                .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
+                .body(body),
+        }
+    }
+
     /// Sends `body` as it is.
     pub fn body(self, body: &'static str) -> Self {
         Self {
@@ -513,6 +523,8 @@ fn test_features() -> Vec<&'static str> {
         ("axum", cfg!(feature = "axum")),
         ("hyper", cfg!(feature = "hyper")),
         ("tonic", cfg!(feature = "tonic")),
+        ("client", cfg!(feature = "client")),
+        ("reqwest", cfg!(feature = "reqwest")),
     ]
     .into_iter()
     .filter_map(|(feature, enabled)| enabled.then_some(feature))

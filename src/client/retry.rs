@@ -1,0 +1,119 @@
+//! The retry loop both front ends share: one key, bounded attempts, backoff with jitter,
+//! `Retry-After`, a per-attempt timeout and an overall deadline.
+
+use std::{future::Future, time::SystemTime};
+
+use bytes::Bytes;
+use http::{header::RETRY_AFTER, Extensions, HeaderMap, StatusCode};
+use tokio::time::{sleep, timeout, Instant};
+
+use super::{
+    layer::Settings, retry_after, BoxError, ClientError, Failure, IdempotentCall, Outcome,
+    RetryPolicy, MAX_INSPECTED_BODY,
+};
+use crate::REPLAYED_HEADER;
+
+/// A response of some HTTP client, as the loop reads it.
+pub(crate) trait Answer: Sized + Send {
+    fn status(&self) -> StatusCode;
+    fn headers(&self) -> &HeaderMap;
+    fn extensions_mut(&mut self) -> &mut Extensions;
+    /// The most bytes the body can have, when known in advance.
+    fn body_len(&self) -> Option<u64>;
+    /// Reads the whole body; returns the answer with the same body, buffered, and its bytes.
+    fn buffer(self) -> impl Future<Output = Result<(Self, Bytes), BoxError>> + Send;
+}
+
+/// Sends one attempt of a call: the same request, the same key, each time.
+pub(crate) trait Transport: Send {
+    type Answer: Answer;
+    type Error: Send;
+    fn send(&mut self) -> impl Future<Output = Result<Self::Answer, Self::Error>> + Send + '_;
+}
+
+/// Runs a call to its end: the answer to return (with its [`IdempotentCall`] in its
+/// extensions) or the last attempt's failure.
+pub(crate) async fn run<T, P>(
+    settings: &Settings,
+    policy: &P,
+    key: String,
+    transport: &mut T,
+) -> Result<T::Answer, ClientError<T::Error>>
+where
+    T: Transport,
+    P: RetryPolicy<T::Error>,
+{
+    let deadline = Instant::now() + settings.deadline;
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let limit = settings.attempt_timeout.map_or(left, |t| t.min(left));
+        let outcome = match timeout(limit, attempt(policy, transport)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(Failure::TimedOut),
+        };
+        let (replayed, wanted, hint) = match &outcome {
+            Ok((answer, body)) => {
+                let replayed = answer
+                    .headers()
+                    .get(REPLAYED_HEADER)
+                    .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+                let wanted = !replayed
+                    && policy.retry(&Outcome::Response {
+                        status: answer.status(),
+                        headers: answer.headers(),
+                        body: body.as_deref(),
+                    });
+                let hint = answer
+                    .headers()
+                    .get(RETRY_AFTER)
+                    .and_then(|value| retry_after::parse(value, SystemTime::now()));
+                (replayed, wanted, hint)
+            }
+            Err(failure) => (false, policy.retry(&Outcome::Failed(failure)), None),
+        };
+        if wanted && attempts < settings.max_attempts {
+            let backoff = settings.backoff.delay(attempts);
+            let told = hint.map_or(backoff, |hint| hint.min(settings.max_retry_after));
+            let wait = backoff.max(told);
+            // No attempt starts, and no wait ends, at or past the deadline.
+            if Instant::now() + wait < deadline {
+                tracing::debug!(%key, attempts, ?wait, "idempotent call: retrying");
+                drop(outcome);
+                sleep(wait).await;
+                continue;
+            }
+        }
+        let call = IdempotentCall {
+            key,
+            attempts,
+            replayed,
+        };
+        return match outcome {
+            Ok((mut answer, _)) => {
+                answer.extensions_mut().insert(call);
+                Ok(answer)
+            }
+            Err(failure) => Err(ClientError::new(Some(call), failure)),
+        };
+    }
+}
+
+/// One attempt, with the body read when the policy classifies by it.
+async fn attempt<T, P>(
+    policy: &P,
+    transport: &mut T,
+) -> Result<(T::Answer, Option<Bytes>), Failure<T::Error>>
+where
+    T: Transport,
+    P: RetryPolicy<T::Error>,
+{
+    let answer = transport.send().await.map_err(Failure::Service)?;
+    let small = answer.body_len().is_some_and(|n| n <= MAX_INSPECTED_BODY);
+    if !small || !policy.inspects_body(answer.status()) {
+        return Ok((answer, None));
+    }
+    let (answer, body) = answer.buffer().await.map_err(Failure::Body)?;
+    Ok((answer, Some(body)))
+}
