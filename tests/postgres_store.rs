@@ -39,6 +39,13 @@ fn response(body: &'static [u8]) -> StoredResponse {
 }
 
 async fn complete(store: &PostgresStore, scope: &Scope, ttl: Duration) -> StoredResponse {
+    let stored = response(b"\x00\x01\xfe\xff not utf-8 \xc3");
+    complete_for(store, scope, &stored, ttl).await;
+    stored
+}
+
+/// Claims `scope` and completes it with `response`, kept for `ttl`.
+async fn complete_for(store: &dyn Store, scope: &Scope, response: &StoredResponse, ttl: Duration) {
     let Claim::Claimed(token) = store
         .claim(scope, FINGERPRINT, Duration::from_secs(30))
         .await
@@ -46,15 +53,8 @@ async fn complete(store: &PostgresStore, scope: &Scope, ttl: Duration) -> Stored
     else {
         panic!("expected a free key")
     };
-    let stored = response(b"\x00\x01\xfe\xff not utf-8 \xc3");
-    assert_eq!(
-        store
-            .complete(scope, token, FINGERPRINT, &stored, ttl)
-            .await
-            .unwrap(),
-        Fenced::Applied
-    );
-    stored
+    let completed = store.complete(scope, token, FINGERPRINT, response, ttl);
+    assert_eq!(completed.await.unwrap(), Fenced::Applied);
 }
 
 /// Claims `scope` with `lease` and returns whether the key was free.
@@ -250,4 +250,100 @@ async fn readme_shows_the_migration_sql() {
         readme.contains(store.migration_sql().trim()),
         "README's SQL differs from migration_sql()"
     );
+}
+
+/// A `201 Created` of payment `id`, as the payments example answers it.
+fn created(id: &str) -> StoredResponse {
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    let location = format!("/v1/payments/{id}");
+    headers.insert("location", HeaderValue::from_str(&location).unwrap());
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers,
+        body: Bytes::from(format!(r#"{{"id":"{id}","amount":1000}}"#)),
+        trailers: None,
+    }
+}
+
+/// Claims and completes `scope` with `response`, kept for an hour.
+async fn complete_with(store: &dyn Store, scope: &Scope, response: &StoredResponse) {
+    complete_for(store, scope, response, Duration::from_secs(3600)).await;
+}
+
+/// Expires `n` completed rows named `prefix-<i>` at once, by hand.
+async fn expired_rows(store: &PostgresStore, prefix: &str, n: usize) {
+    for i in 0..n {
+        complete_with(
+            store,
+            &scope(&format!("{prefix}-{i}"), None),
+            &created("pay"),
+        )
+        .await;
+    }
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "UPDATE {} SET expires_at = now() - interval '1 second' WHERE idempotency_key LIKE $1",
+        store.table_name()
+    );
+    client
+        .execute(&sql, &[&format!("{prefix}-%")])
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn purge_deletes_in_bounded_batches_and_skips_locked_rows() {
+    let store = support::postgres_store().await.purge_batch(2);
+    expired_rows(&store, "expired", 5).await;
+    complete_with(&store, &scope("live", None), &created("pay_live")).await;
+
+    // Each DELETE statement logs its transaction and how many rows it deleted.
+    let table = store.table_name();
+    let log = format!("{table}_purge_log");
+    let function = format!("{table}_log_purge");
+    let client = support::store_client(&support::database_url()).await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {log} (xid BIGINT, deleted BIGINT);
+             CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO {log} SELECT txid_current(), count(*) FROM gone;
+                 RETURN NULL;
+             END $$;
+             CREATE TRIGGER log_purge AFTER DELETE ON {table}
+                 REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION {function}();"
+        ))
+        .await
+        .unwrap();
+
+    assert_eq!(store.purge_expired().await.unwrap(), 5);
+    let rows = client
+        .query(&format!("SELECT xid, deleted FROM {log}"), &[])
+        .await
+        .unwrap();
+    let mut batches: Vec<i64> = rows.iter().map(|r| r.get(1)).collect();
+    batches.sort_unstable();
+    assert_eq!(batches, [1, 2, 2], "batches of at most 2 rows");
+    let transactions: std::collections::HashSet<i64> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(transactions.len(), 3, "each batch its own transaction");
+    assert_eq!(row_count(&store).await, 1);
+
+    // A row another transaction holds locked (a claim taking it) is skipped, not waited for.
+    expired_rows(&store, "locked", 3).await;
+    let mut holder = support::store_client(&support::database_url()).await;
+    let transaction = holder.transaction().await.unwrap();
+    let sql = format!("SELECT 1 FROM {table} WHERE idempotency_key = 'locked-0' FOR UPDATE");
+    transaction.execute(&sql, &[]).await.unwrap();
+    let purged = tokio::time::timeout(Duration::from_secs(30), store.purge_expired()).await;
+    assert_eq!(purged.expect("the purge waited for a lock").unwrap(), 2);
+    transaction.rollback().await.unwrap();
+    assert_eq!(store.purge_expired().await.unwrap(), 1);
+    assert_eq!(row_count(&store).await, 1);
+    client
+        .batch_execute(&format!(
+            "DROP TRIGGER log_purge ON {table}; DROP FUNCTION {function}(); DROP TABLE {log};"
+        ))
+        .await
+        .unwrap();
 }

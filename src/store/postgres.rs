@@ -24,6 +24,8 @@ const POOL_TIMEOUT: Duration = Duration::from_secs(2);
 const POOL_SIZE: usize = 16;
 /// A claim can lose a race with a row committed after its snapshot; it then reads again.
 const CLAIM_ATTEMPTS: usize = 5;
+/// How many rows one statement of [`PostgresStore::purge_expired`] deletes at most.
+const PURGE_BATCH: i64 = 1000;
 
 /// A store in PostgreSQL, after the classic `idempotency_keys` table: one row per
 /// `(idempotency_key, endpoint, principal)`, responses as `BYTEA` (byte-exact), the claim
@@ -80,6 +82,8 @@ pub struct PostgresStore {
     announce: bool,
     /// Announces this store's completions and releases, and relays other instances'.
     listener: Arc<Listener>,
+    /// Rows deleted per statement by [`PostgresStore::purge_expired`].
+    purge_batch: i64,
 }
 
 /// Why a PostgreSQL operation failed.
@@ -181,6 +185,7 @@ impl PostgresStore {
             keep_completed: false,
             announce: false,
             listener: Arc::new(listener),
+            purge_batch: PURGE_BATCH,
         }
     }
 
@@ -246,6 +251,24 @@ impl PostgresStore {
         self
     }
 
+    /// How many rows each statement of [`purge_expired`](Self::purge_expired) deletes at
+    /// most (default 1000, at least 1): each batch is a transaction of its own, which locks
+    /// only its rows, and only until it commits.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+    /// use tower_idempotency::PostgresStore;
+    /// let store = PostgresStore::connect("postgres://localhost/app").await?.purge_batch(5000);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn purge_batch(mut self, rows: u32) -> Self {
+        self.purge_batch = i64::from(rows.max(1));
+        self
+    }
+
     /// The SQL that creates the table and its index, for this store's table name.
     pub fn migration_sql(&self) -> String {
         migration_sql(&self.table.name)
@@ -260,15 +283,29 @@ impl PostgresStore {
 
     /// Deletes expired rows (only abandoned claims with
     /// [`keep_completed`](Self::keep_completed)) and returns how many.
+    ///
+    /// It deletes them in batches of [`purge_batch`](Self::purge_batch) rows, each one
+    /// statement and transaction of its own, until a batch finds fewer: no long lock, no
+    /// transaction the size of the backlog. A batch skips rows another transaction has
+    /// locked (a claim taking an expired key), so a purge never waits for a claim, and a
+    /// claim waits at most for one batch. The `expires_at` index finds the rows.
     pub async fn purge_expired(&self) -> Result<u64, PostgresStoreError> {
-        let client = self.pool.get().await?;
         let sql = if self.keep_completed {
             &self.table.purge_keeping_completed
         } else {
             &self.table.purge
         };
-        let statement = client.prepare_cached(sql).await?;
-        Ok(client.execute(&statement, &[]).await?)
+        let mut purged = 0;
+        loop {
+            // A connection per batch: the pool serves requests between batches.
+            let client = self.pool.get().await?;
+            let statement = client.prepare_cached(sql).await?;
+            let deleted = client.execute(&statement, &[&self.purge_batch]).await?;
+            purged += deleted;
+            if deleted < self.purge_batch as u64 {
+                return Ok(purged);
+            }
+        }
     }
 
     /// Runs [`purge_expired`](Self::purge_expired) every `interval` until the handle is
@@ -440,14 +477,23 @@ WHERE {scope} AND expires_at > now()
     expires_at = now() + $5::bigint * interval '1 millisecond'
 WHERE {held}"
             ),
-            purge: format!("DELETE FROM {name} WHERE expires_at <= now()"),
-            purge_keeping_completed: format!(
-                "DELETE FROM {name} WHERE expires_at <= now() AND status = 'in_progress'"
-            ),
+            // $1 batch size. Rows a claim has locked meanwhile are skipped; the condition is
+            // checked again on the rows deleted.
+            purge: purge(&name, "expires_at <= now()"),
+            purge_keeping_completed: purge(&name, "expires_at <= now() AND status = 'in_progress'"),
             name,
             channel,
         }
     }
+}
+
+/// A batch of the purge: up to `$1` rows of `table` where `condition` holds.
+fn purge(table: &str, condition: &str) -> String {
+    format!(
+        "DELETE FROM {table} WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {table} WHERE {condition} LIMIT $1 FOR UPDATE SKIP LOCKED
+)) AND {condition}"
+    )
 }
 
 fn millis(duration: Duration) -> i64 {
