@@ -347,3 +347,415 @@ async fn purge_deletes_in_bounded_batches_and_skips_locked_rows() {
         .await
         .unwrap();
 }
+
+/// The `resource_id`, `replay_count` and whether `last_replayed_at` is set, of `key`'s row.
+async fn audit(store: &PostgresStore, key: &str) -> (Option<String>, i64, bool) {
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "SELECT resource_id, replay_count, last_replayed_at IS NOT NULL AND last_replayed_at >= completed_at
+         FROM {} WHERE idempotency_key = $1",
+        store.table_name()
+    );
+    let row = client.query_one(&sql, &[&key]).await.unwrap();
+    (row.get(0), row.get(1), row.get(2))
+}
+
+/// A table name of the test schema no other test uses.
+fn unique_table(prefix: &str) -> String {
+    format!(
+        "{}.{prefix}_{:016x}",
+        support::TEST_SCHEMA,
+        rand::random::<u64>()
+    )
+}
+
+#[tokio::test]
+async fn resource_id_comes_from_location_or_the_chosen_extractor() {
+    let store = support::postgres_store().await;
+    complete_with(&store, &scope("by-location", None), &created("pay_1")).await;
+    let mut no_location = created("pay_2");
+    no_location.headers.remove("location");
+    complete_with(&store, &scope("no-location", None), &no_location).await;
+    assert_eq!(
+        audit(&store, "by-location").await.0.as_deref(),
+        Some("pay_1")
+    );
+    assert_eq!(audit(&store, "no-location").await.0, None);
+
+    let by_body = store
+        .clone()
+        .resource_id(tower_idempotency::store::ResourceId::json_pointer("/id"));
+    complete_with(&by_body, &scope("by-body", None), &no_location).await;
+    assert_eq!(audit(&store, "by-body").await.0.as_deref(), Some("pay_2"));
+
+    // Too long to be an id worth joining on: left NULL rather than cut.
+    let too_long = store.clone().resource_id(|_: &StoredResponse| {
+        Some("x".repeat(tower_idempotency::store::MAX_RESOURCE_ID_LEN + 1))
+    });
+    complete_with(&too_long, &scope("too-long", None), &created("pay_3")).await;
+    assert_eq!(audit(&store, "too-long").await.0, None);
+}
+
+/// The reconciliation query the README documents, on `keys` and the business table
+/// `payments`, for the day of `now()`.
+fn readme_reconciliation_query(keys: &str, payments: &str) -> String {
+    let readme = include_str!("../README.md");
+    let start = readme
+        .find("```sql\nSELECT p.id")
+        .expect("README shows the reconciliation query")
+        + "```sql\n".len();
+    let end = start + readme[start..].find("```").unwrap();
+    readme[start..end]
+        .replace("FROM payments AS p", &format!("FROM {payments} AS p"))
+        .replace("public.idempotency_keys", keys)
+        .replace("DATE '2026-12-05'", "current_date")
+}
+
+#[tokio::test]
+async fn readme_reconciliation_query_joins_payments_to_their_requests() {
+    let store = support::postgres_store().await.count_replays();
+    let payments = unique_table("payments");
+    let client = support::store_client(&support::database_url()).await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {payments} (id TEXT PRIMARY KEY, amount BIGINT NOT NULL);
+             INSERT INTO {payments} VALUES ('pay_a', 1000), ('pay_b', 2500), ('pay_manual', 99);"
+        ))
+        .await
+        .unwrap();
+
+    // pay_a retried twice, pay_b never; pay_manual was made without an idempotent request.
+    for (key, id, retries) in [("key-a", "pay_a", 2), ("key-b", "pay_b", 0)] {
+        let scope = scope(key, Some("alice"));
+        complete_with(&store, &scope, &created(id)).await;
+        for _ in 0..retries {
+            let claim = store.claim(&scope, FINGERPRINT, Duration::from_secs(30));
+            assert!(matches!(claim.await.unwrap(), Claim::Completed { .. }));
+        }
+    }
+
+    let sql = readme_reconciliation_query(store.table_name(), &payments);
+    let rows = client.query(&sql, &[]).await.unwrap();
+    client
+        .batch_execute(&format!("DROP TABLE {payments}"))
+        .await
+        .unwrap();
+    let found: Vec<(String, i64, String, String, i64, bool)> = rows
+        .iter()
+        .map(|row| {
+            let replayed_at: Option<std::time::SystemTime> = row.get("last_replayed_at");
+            (
+                row.get("id"),
+                row.get("amount"),
+                row.get("idempotency_key"),
+                row.get("principal"),
+                row.get("replay_count"),
+                replayed_at.is_some(),
+            )
+        })
+        .collect();
+    let expected = [
+        ("pay_a", 1000, "key-a", "alice", 2, true),
+        ("pay_b", 2500, "key-b", "alice", 0, false),
+    ];
+    let expected: Vec<_> = expected
+        .iter()
+        .map(|&(id, amount, key, principal, replays, replayed)| {
+            (
+                id.to_owned(),
+                amount,
+                key.to_owned(),
+                principal.to_owned(),
+                replays,
+                replayed,
+            )
+        })
+        .collect();
+    assert_eq!(found, expected);
+}
+
+#[tokio::test]
+async fn replays_are_counted_in_the_statement_that_reads_them() {
+    let plain = support::postgres_store().await;
+    let counting = plain.clone().count_replays();
+    let counted = scope("counted", None);
+    complete_with(&counting, &counted, &created("pay_c")).await;
+    for _ in 0..3 {
+        let claim = counting.claim(&counted, FINGERPRINT, Duration::from_secs(30));
+        match claim.await.unwrap() {
+            Claim::Completed {
+                response,
+                expires_in,
+                ..
+            } => {
+                assert_eq!(response, created("pay_c"));
+                assert_eq!(expires_in, None, "no cache may keep a counted record");
+            }
+            other => panic!("expected the completed record, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        audit(&plain, "counted").await,
+        (Some("pay_c".to_owned()), 3, true)
+    );
+
+    // A duplicate of a request still running is no replay: its next retry is.
+    let running = scope("running", None);
+    assert!(claims(&counting, &running, Duration::from_secs(30)).await);
+    let duplicate = counting.claim(&running, FINGERPRINT, Duration::from_secs(30));
+    assert!(matches!(duplicate.await.unwrap(), Claim::InProgress { .. }));
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "SELECT replay_count, last_replayed_at IS NULL FROM {} WHERE idempotency_key = 'running'",
+        plain.table_name()
+    );
+    let row = client.query_one(&sql, &[]).await.unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, bool>(1)), (0, true));
+
+    // Without count_replays, replays leave the row as it is, and report their expiry.
+    let uncounted = scope("uncounted", None);
+    complete_with(&plain, &uncounted, &created("pay_u")).await;
+    for _ in 0..2 {
+        let claim = plain.claim(&uncounted, FINGERPRINT, Duration::from_secs(30));
+        assert!(matches!(
+            claim.await.unwrap(),
+            Claim::Completed {
+                expires_in: Some(_),
+                ..
+            }
+        ));
+    }
+    assert_eq!(
+        audit(&plain, "uncounted").await,
+        (Some("pay_u".to_owned()), 0, false)
+    );
+}
+
+/// A payments route behind `layer`: each execution creates `pay_<n>`, `201` with its
+/// `Location`. Returns the router and the count of executions.
+fn payments_app(layer: IdempotencyLayer) -> (Router, Arc<std::sync::atomic::AtomicU64>) {
+    let executed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let handler = {
+        let executed = executed.clone();
+        move || async move {
+            let n = executed.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            let location = format!("/v1/payments/pay_{n}");
+            (StatusCode::CREATED, [(http::header::LOCATION, location)])
+        }
+    };
+    let app = Router::new()
+        .route("/v1/payments", post(handler))
+        .layer(layer);
+    (app, executed)
+}
+
+async fn pay(app: &Router, key: &str, body: &'static str) -> http::Response<Body> {
+    let request = Request::post("/v1/payments")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap();
+    app.clone().oneshot(request).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_cache_in_front_of_a_counting_store_lets_every_replay_be_counted() {
+    let store = support::postgres_store().await.count_replays();
+    let cached = tower_idempotency::store::CachedStore::new(store.clone(), 1000);
+    let (app, executed) = payments_app(IdempotencyLayer::new(cached));
+
+    let first = pay(&app, "cached", r#"{"amount":1000}"#).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    for _ in 0..4 {
+        let replay = pay(&app, "cached", r#"{"amount":1000}"#).await;
+        assert_eq!(replay.status(), StatusCode::CREATED);
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(replay.headers()["location"], "/v1/payments/pay_1");
+    }
+    assert_eq!(executed.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        audit(&store, "cached").await,
+        (Some("pay_1".to_owned()), 4, true)
+    );
+
+    // A retry reusing the key for another request is refused, and counted as documented.
+    let reused = pay(&app, "cached", r#"{"amount":9999}"#).await;
+    assert_eq!(reused.status(), StatusCode::CONFLICT);
+    assert_eq!(audit(&store, "cached").await.1, 5);
+    assert_eq!(executed.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// The table as the release before `resource_id` and replay accounting created it.
+const PREVIOUS_RELEASE_DDL: &str = "CREATE TABLE IF NOT EXISTS {table} (
+    idempotency_key  TEXT        NOT NULL,
+    endpoint         TEXT        NOT NULL,
+    principal        TEXT        NOT NULL,  -- '' is anonymous
+    request_hash     BYTEA       NOT NULL,  -- SHA-256 request fingerprint
+    status           TEXT        NOT NULL CHECK (status IN ('in_progress', 'completed')),
+    status_code      SMALLINT,
+    response_headers BYTEA,                 -- versioned binary encoding, order kept
+    response_body    BYTEA,
+    claim_token      BYTEA       NOT NULL,
+    locked_until     TIMESTAMPTZ,           -- the in-progress lease
+    created_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
+    completed_at     TIMESTAMPTZ,
+    expires_at       TIMESTAMPTZ NOT NULL,
+    CONSTRAINT {index}_scope UNIQUE (idempotency_key, endpoint, principal)
+);
+CREATE INDEX IF NOT EXISTS {index}_expires_at ON {table} (expires_at);
+";
+
+/// Headers as the store encodes them (unchanged by the migration): a count, then each
+/// name and value after its length.
+fn encoded_headers(headers: &[(&str, &str)]) -> Vec<u8> {
+    let mut out = (headers.len() as u32).to_be_bytes().to_vec();
+    for (name, value) in headers {
+        for part in [name, value] {
+            out.extend_from_slice(&(part.len() as u32).to_be_bytes());
+            out.extend_from_slice(part.as_bytes());
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn migrate_upgrades_a_table_of_the_previous_release_in_place() {
+    support::postgres_store().await; // the test schema
+    let name = format!("old_{:016x}", rand::random::<u64>());
+    let table = format!("{}.{name}", support::TEST_SCHEMA);
+    let index = table.replace('.', "_");
+    let client = support::store_client(&support::database_url()).await;
+    let ddl = PREVIOUS_RELEASE_DDL
+        .replace("{table}", &table)
+        .replace("{index}", &index);
+    client.batch_execute(&ddl).await.unwrap();
+
+    // Rows the previous release wrote: a live completed one, an expired one, and a claim
+    // still held, whose holder completes it after the upgrade.
+    let held = tower_idempotency::ClaimToken::from_bytes([7; 16]);
+    let insert = format!(
+        "INSERT INTO {table} (idempotency_key, endpoint, principal, request_hash, status,
+             status_code, response_headers, response_body, claim_token, locked_until,
+             completed_at, expires_at)
+         VALUES ($1, 'POST /v1/payments', '', $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+    );
+    let headers = encoded_headers(&[("location", "/v1/payments/pay_old")]);
+    let hour = std::time::SystemTime::now() + Duration::from_secs(3600);
+    let past = std::time::SystemTime::now() - Duration::from_secs(3600);
+    let no_time: Option<std::time::SystemTime> = None;
+    let (no_code, no_bytes): (Option<i16>, Option<&[u8]>) = (None, None);
+    let hash = FINGERPRINT.as_bytes().as_slice();
+    for params in [
+        [
+            &"old-live" as &(dyn tokio_postgres::types::ToSql + Sync),
+            &hash,
+            &"completed",
+            &Some(201i16),
+            &Some(headers.as_slice()),
+            &Some(&b"{\"id\":\"pay_old\"}"[..]),
+            &[1u8; 16].as_slice(),
+            &no_time,
+            &Some(past),
+            &hour,
+        ],
+        [
+            &"old-expired",
+            &hash,
+            &"completed",
+            &Some(201i16),
+            &Some(headers.as_slice()),
+            &Some(&b"{}"[..]),
+            &[2u8; 16].as_slice(),
+            &no_time,
+            &Some(past),
+            &past,
+        ],
+        [
+            &"old-held",
+            &hash,
+            &"in_progress",
+            &no_code,
+            &no_bytes,
+            &no_bytes,
+            &held.as_bytes().as_slice(),
+            &Some(hour),
+            &no_time,
+            &hour,
+        ],
+    ] {
+        client.execute(&insert, &params).await.unwrap();
+    }
+
+    let store = PostgresStore::connect(&support::database_url())
+        .await
+        .unwrap()
+        .table(support::TEST_SCHEMA, &name)
+        .unwrap()
+        .count_replays();
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+
+    // The old rows gained the columns, empty; the index is there.
+    let sql = format!(
+        "SELECT idempotency_key, resource_id, replay_count, last_replayed_at IS NULL
+         FROM {table} ORDER BY idempotency_key"
+    );
+    let rows = client.query(&sql, &[]).await.unwrap();
+    let columns: Vec<(String, Option<String>, i64, bool)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    let empty = |key: &str| (key.to_owned(), None, 0, true);
+    assert_eq!(
+        columns,
+        [empty("old-expired"), empty("old-held"), empty("old-live")]
+    );
+    let indexes = client
+        .query(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = $2
+             ORDER BY indexname",
+            &[&support::TEST_SCHEMA, &name],
+        )
+        .await
+        .unwrap();
+    let indexes: Vec<String> = indexes.iter().map(|r| r.get(0)).collect();
+    assert_eq!(
+        indexes,
+        [
+            format!("{index}_expires_at"),
+            format!("{index}_resource_id"),
+            format!("{index}_scope"),
+        ]
+    );
+
+    // The old completed row replays, byte-exact, and its replay is counted.
+    let old = scope("old-live", None);
+    match store
+        .claim(&old, FINGERPRINT, Duration::from_secs(30))
+        .await
+        .unwrap()
+    {
+        Claim::Completed { response, .. } => {
+            assert_eq!(response.status, StatusCode::CREATED);
+            assert_eq!(response.headers["location"], "/v1/payments/pay_old");
+            assert_eq!(response.body, &b"{\"id\":\"pay_old\"}"[..]);
+        }
+        other => panic!("expected the old record, got {other:?}"),
+    }
+    assert_eq!(audit(&store, "old-live").await, (None, 1, true));
+    // The expired one is free again; the claim held across the upgrade completes.
+    assert!(claims(&store, &scope("old-expired", None), Duration::from_secs(30)).await);
+    let old_held = scope("old-held", None);
+    let response = created("pay_held");
+    let ttl = Duration::from_secs(3600);
+    let completed = store.complete(&old_held, held, FINGERPRINT, &response, ttl);
+    assert_eq!(completed.await.unwrap(), Fenced::Applied);
+    assert_eq!(
+        audit(&store, "old-held").await,
+        (Some("pay_held".to_owned()), 0, false)
+    );
+    client
+        .batch_execute(&format!("DROP TABLE {table}"))
+        .await
+        .unwrap();
+}
