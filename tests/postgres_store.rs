@@ -759,3 +759,70 @@ async fn migrate_upgrades_a_table_of_the_previous_release_in_place() {
         .await
         .unwrap();
 }
+
+/// Waits, up to 20 s, until `done` holds.
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn duplicates_woken_together_are_each_counted() {
+    let store = support::postgres_store()
+        .await
+        .announce_outcomes()
+        .count_replays();
+    let layer = IdempotencyLayer::new(store.clone()).wait_for_original(Duration::from_secs(20));
+    let (entered, gate) = (
+        Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        Arc::new(tokio::sync::Semaphore::new(0)),
+    );
+    let handler = {
+        let (entered, gate) = (entered.clone(), gate.clone());
+        move || async move {
+            entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            gate.acquire().await.unwrap().forget();
+            (
+                StatusCode::CREATED,
+                [(http::header::LOCATION, "/v1/payments/pay_w")],
+            )
+        }
+    };
+    let app = Router::new()
+        .route("/v1/payments", post(handler))
+        .layer(layer.clone());
+
+    let original = tokio::spawn({
+        let app = app.clone();
+        async move { pay(&app, "waited", "{}").await }
+    });
+    until("the original runs", || {
+        entered.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    let duplicates: Vec<_> = (0..3)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { pay(&app, "waited", "{}").await })
+        })
+        .collect();
+    until("three duplicates wait", || layer.waiting() == 3).await;
+    gate.add_permits(1);
+
+    let original = original.await.unwrap();
+    assert_eq!(original.status(), StatusCode::CREATED);
+    assert!(!original.headers().contains_key("idempotent-replayed"));
+    for duplicate in duplicates {
+        let duplicate = duplicate.await.unwrap();
+        assert_eq!(duplicate.status(), StatusCode::CREATED);
+        assert_eq!(duplicate.headers()["idempotent-replayed"], "true");
+    }
+    assert_eq!(entered.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        audit(&store, "waited").await,
+        (Some("pay_w".to_owned()), 3, true)
+    );
+}
