@@ -826,3 +826,53 @@ async fn duplicates_woken_together_are_each_counted() {
         (Some("pay_w".to_owned()), 3, true)
     );
 }
+
+/// The payments example on PostgreSQL: each row names the payment its request created, and
+/// counts the retries it absorbed, behind the example's local cache.
+#[cfg(feature = "memory")]
+#[tokio::test]
+async fn payments_example_records_each_payment_id() {
+    use support::payments::{charge, fresh_key, ExampleProcess};
+
+    support::postgres_store().await; // the test schema
+    let table = unique_table("payments_example");
+    let url = support::database_url();
+    let example = ExampleProcess::start(&[
+        ("DATABASE_URL", url.as_str()),
+        ("IDEMPOTENCY_TABLE", table.as_str()),
+        ("IDEMPOTENCY_COUNT_REPLAYS", "1"),
+    ])
+    .await;
+    let key = fresh_key();
+    let first = example.api().pay(&key, "alice", &charge(1500)).await;
+    let id = first.assert_payment(1500, "usd");
+    for _ in 0..2 {
+        let retry = example.api().pay(&key, "alice", &charge(1500)).await;
+        retry.assert_replay_of(&first);
+    }
+    let other = example.api().pay(&fresh_key(), "bob", &charge(700)).await;
+    let other_id = other.assert_payment(700, "usd");
+
+    let client = support::store_client(&url).await;
+    let sql = format!(
+        "SELECT idempotency_key, principal, resource_id, replay_count FROM {table}
+         ORDER BY replay_count DESC"
+    );
+    let rows = client.query(&sql, &[]).await.unwrap();
+    let rows: Vec<(String, String, Option<String>, i64)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    drop(example);
+    client
+        .batch_execute(&format!("DROP TABLE {table}"))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!((&rows[0].0, &rows[0].2, rows[0].3), (&key, &Some(id), 2));
+    assert_eq!((&rows[1].2, rows[1].3), (&Some(other_id), 0));
+    assert_ne!(
+        rows[0].1, rows[1].1,
+        "alice and bob are principals of their own"
+    );
+}
