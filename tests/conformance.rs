@@ -25,6 +25,19 @@ tower_idempotency::store_conformance_tests!(redis_sentinel, async {
 tower_idempotency::store_conformance_tests!(postgres, async {
     crate::support::postgres_store().await.announce_outcomes()
 });
+tower_idempotency::store_conformance_tests!(postgres_counting_replays, async {
+    crate::support::postgres_store()
+        .await
+        .announce_outcomes()
+        .count_replays()
+});
+tower_idempotency::store_conformance_tests!(cached_postgres_counting_replays, async {
+    let postgres = crate::support::postgres_store()
+        .await
+        .announce_outcomes()
+        .count_replays();
+    tower_idempotency::store::CachedStore::new(postgres, 1000)
+});
 tower_idempotency::store_conformance_tests!(cached_redis, async {
     let redis = crate::support::redis_store("conformance")
         .await

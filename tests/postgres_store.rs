@@ -39,6 +39,13 @@ fn response(body: &'static [u8]) -> StoredResponse {
 }
 
 async fn complete(store: &PostgresStore, scope: &Scope, ttl: Duration) -> StoredResponse {
+    let stored = response(b"\x00\x01\xfe\xff not utf-8 \xc3");
+    complete_for(store, scope, &stored, ttl).await;
+    stored
+}
+
+/// Claims `scope` and completes it with `response`, kept for `ttl`.
+async fn complete_for(store: &dyn Store, scope: &Scope, response: &StoredResponse, ttl: Duration) {
     let Claim::Claimed(token) = store
         .claim(scope, FINGERPRINT, Duration::from_secs(30))
         .await
@@ -46,15 +53,8 @@ async fn complete(store: &PostgresStore, scope: &Scope, ttl: Duration) -> Stored
     else {
         panic!("expected a free key")
     };
-    let stored = response(b"\x00\x01\xfe\xff not utf-8 \xc3");
-    assert_eq!(
-        store
-            .complete(scope, token, FINGERPRINT, &stored, ttl)
-            .await
-            .unwrap(),
-        Fenced::Applied
-    );
-    stored
+    let completed = store.complete(scope, token, FINGERPRINT, response, ttl);
+    assert_eq!(completed.await.unwrap(), Fenced::Applied);
 }
 
 /// Claims `scope` with `lease` and returns whether the key was free.
@@ -249,5 +249,630 @@ async fn readme_shows_the_migration_sql() {
     assert!(
         readme.contains(store.migration_sql().trim()),
         "README's SQL differs from migration_sql()"
+    );
+}
+
+/// A `201 Created` of payment `id`, as the payments example answers it.
+fn created(id: &str) -> StoredResponse {
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    let location = format!("/v1/payments/{id}");
+    headers.insert("location", HeaderValue::from_str(&location).unwrap());
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers,
+        body: Bytes::from(format!(r#"{{"id":"{id}","amount":1000}}"#)),
+        trailers: None,
+    }
+}
+
+/// Claims and completes `scope` with `response`, kept for an hour.
+async fn complete_with(store: &dyn Store, scope: &Scope, response: &StoredResponse) {
+    complete_for(store, scope, response, Duration::from_secs(3600)).await;
+}
+
+/// Expires `n` completed rows named `prefix-<i>` at once, by hand.
+async fn expired_rows(store: &PostgresStore, prefix: &str, n: usize) {
+    for i in 0..n {
+        complete_with(
+            store,
+            &scope(&format!("{prefix}-{i}"), None),
+            &created("pay"),
+        )
+        .await;
+    }
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "UPDATE {} SET expires_at = now() - interval '1 second' WHERE idempotency_key LIKE $1",
+        store.table_name()
+    );
+    client
+        .execute(&sql, &[&format!("{prefix}-%")])
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn purge_deletes_in_bounded_batches_and_skips_locked_rows() {
+    let store = support::postgres_store().await.purge_batch(2);
+    expired_rows(&store, "expired", 5).await;
+    complete_with(&store, &scope("live", None), &created("pay_live")).await;
+
+    // Each DELETE statement logs its transaction and how many rows it deleted.
+    let table = store.table_name();
+    let log = format!("{table}_purge_log");
+    let function = format!("{table}_log_purge");
+    let client = support::store_client(&support::database_url()).await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {log} (xid BIGINT, deleted BIGINT);
+             CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO {log} SELECT txid_current(), count(*) FROM gone;
+                 RETURN NULL;
+             END $$;
+             CREATE TRIGGER log_purge AFTER DELETE ON {table}
+                 REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION {function}();"
+        ))
+        .await
+        .unwrap();
+
+    assert_eq!(store.purge_expired().await.unwrap(), 5);
+    let rows = client
+        .query(&format!("SELECT xid, deleted FROM {log}"), &[])
+        .await
+        .unwrap();
+    let mut batches: Vec<i64> = rows.iter().map(|r| r.get(1)).collect();
+    batches.sort_unstable();
+    assert_eq!(batches, [1, 2, 2], "batches of at most 2 rows");
+    let transactions: std::collections::HashSet<i64> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(transactions.len(), 3, "each batch its own transaction");
+    assert_eq!(row_count(&store).await, 1);
+
+    // A row another transaction holds locked (a claim taking it) is skipped, not waited for.
+    expired_rows(&store, "locked", 3).await;
+    let mut holder = support::store_client(&support::database_url()).await;
+    let transaction = holder.transaction().await.unwrap();
+    let sql = format!("SELECT 1 FROM {table} WHERE idempotency_key = 'locked-0' FOR UPDATE");
+    transaction.execute(&sql, &[]).await.unwrap();
+    let purged = tokio::time::timeout(Duration::from_secs(30), store.purge_expired()).await;
+    assert_eq!(purged.expect("the purge waited for a lock").unwrap(), 2);
+    transaction.rollback().await.unwrap();
+    assert_eq!(store.purge_expired().await.unwrap(), 1);
+    assert_eq!(row_count(&store).await, 1);
+    client
+        .batch_execute(&format!(
+            "DROP TRIGGER log_purge ON {table}; DROP FUNCTION {function}(); DROP TABLE {log};"
+        ))
+        .await
+        .unwrap();
+}
+
+/// The `resource_id`, `replay_count` and whether `last_replayed_at` is set, of `key`'s row.
+async fn audit(store: &PostgresStore, key: &str) -> (Option<String>, i64, bool) {
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "SELECT resource_id, replay_count, last_replayed_at IS NOT NULL AND last_replayed_at >= completed_at
+         FROM {} WHERE idempotency_key = $1",
+        store.table_name()
+    );
+    let row = client.query_one(&sql, &[&key]).await.unwrap();
+    (row.get(0), row.get(1), row.get(2))
+}
+
+/// A table name of the test schema no other test uses.
+fn unique_table(prefix: &str) -> String {
+    format!(
+        "{}.{prefix}_{:016x}",
+        support::TEST_SCHEMA,
+        rand::random::<u64>()
+    )
+}
+
+#[tokio::test]
+async fn resource_id_comes_from_location_or_the_chosen_extractor() {
+    let store = support::postgres_store().await;
+    complete_with(&store, &scope("by-location", None), &created("pay_1")).await;
+    let mut no_location = created("pay_2");
+    no_location.headers.remove("location");
+    complete_with(&store, &scope("no-location", None), &no_location).await;
+    assert_eq!(
+        audit(&store, "by-location").await.0.as_deref(),
+        Some("pay_1")
+    );
+    assert_eq!(audit(&store, "no-location").await.0, None);
+
+    let by_body = store
+        .clone()
+        .resource_id(tower_idempotency::store::ResourceId::json_pointer("/id"));
+    complete_with(&by_body, &scope("by-body", None), &no_location).await;
+    assert_eq!(audit(&store, "by-body").await.0.as_deref(), Some("pay_2"));
+
+    // Too long to be an id worth joining on: left NULL rather than cut.
+    let too_long = store.clone().resource_id(|_: &StoredResponse| {
+        Some("x".repeat(tower_idempotency::store::MAX_RESOURCE_ID_LEN + 1))
+    });
+    complete_with(&too_long, &scope("too-long", None), &created("pay_3")).await;
+    assert_eq!(audit(&store, "too-long").await.0, None);
+}
+
+/// The reconciliation query the README documents, on `keys` and the business table
+/// `payments`, for the day of `now()`.
+fn readme_reconciliation_query(keys: &str, payments: &str) -> String {
+    let readme = include_str!("../README.md");
+    let start = readme
+        .find("```sql\nSELECT p.id")
+        .expect("README shows the reconciliation query")
+        + "```sql\n".len();
+    let end = start + readme[start..].find("```").unwrap();
+    readme[start..end]
+        .replace("FROM payments AS p", &format!("FROM {payments} AS p"))
+        .replace("public.idempotency_keys", keys)
+        .replace("DATE '2026-12-05'", "current_date")
+}
+
+#[tokio::test]
+async fn readme_reconciliation_query_joins_payments_to_their_requests() {
+    let store = support::postgres_store().await.count_replays();
+    let payments = unique_table("payments");
+    let client = support::store_client(&support::database_url()).await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {payments} (id TEXT PRIMARY KEY, amount BIGINT NOT NULL);
+             INSERT INTO {payments} VALUES ('pay_a', 1000), ('pay_b', 2500), ('pay_manual', 99);"
+        ))
+        .await
+        .unwrap();
+
+    // pay_a retried twice, pay_b never; pay_manual was made without an idempotent request.
+    for (key, id, retries) in [("key-a", "pay_a", 2), ("key-b", "pay_b", 0)] {
+        let scope = scope(key, Some("alice"));
+        complete_with(&store, &scope, &created(id)).await;
+        for _ in 0..retries {
+            let claim = store.claim(&scope, FINGERPRINT, Duration::from_secs(30));
+            assert!(matches!(claim.await.unwrap(), Claim::Completed { .. }));
+        }
+    }
+
+    let sql = readme_reconciliation_query(store.table_name(), &payments);
+    let rows = client.query(&sql, &[]).await.unwrap();
+    client
+        .batch_execute(&format!("DROP TABLE {payments}"))
+        .await
+        .unwrap();
+    let found: Vec<(String, i64, String, String, i64, bool)> = rows
+        .iter()
+        .map(|row| {
+            let replayed_at: Option<std::time::SystemTime> = row.get("last_replayed_at");
+            (
+                row.get("id"),
+                row.get("amount"),
+                row.get("idempotency_key"),
+                row.get("principal"),
+                row.get("replay_count"),
+                replayed_at.is_some(),
+            )
+        })
+        .collect();
+    let expected = [
+        ("pay_a", 1000, "key-a", "alice", 2, true),
+        ("pay_b", 2500, "key-b", "alice", 0, false),
+    ];
+    let expected: Vec<_> = expected
+        .iter()
+        .map(|&(id, amount, key, principal, replays, replayed)| {
+            (
+                id.to_owned(),
+                amount,
+                key.to_owned(),
+                principal.to_owned(),
+                replays,
+                replayed,
+            )
+        })
+        .collect();
+    assert_eq!(found, expected);
+}
+
+#[tokio::test]
+async fn replays_are_counted_in_the_statement_that_reads_them() {
+    let plain = support::postgres_store().await;
+    let counting = plain.clone().count_replays();
+    let counted = scope("counted", None);
+    complete_with(&counting, &counted, &created("pay_c")).await;
+    for _ in 0..3 {
+        let claim = counting.claim(&counted, FINGERPRINT, Duration::from_secs(30));
+        match claim.await.unwrap() {
+            Claim::Completed {
+                response,
+                expires_in,
+                ..
+            } => {
+                assert_eq!(response, created("pay_c"));
+                assert_eq!(expires_in, None, "no cache may keep a counted record");
+            }
+            other => panic!("expected the completed record, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        audit(&plain, "counted").await,
+        (Some("pay_c".to_owned()), 3, true)
+    );
+
+    // A duplicate of a request still running is no replay: its next retry is.
+    let running = scope("running", None);
+    assert!(claims(&counting, &running, Duration::from_secs(30)).await);
+    let duplicate = counting.claim(&running, FINGERPRINT, Duration::from_secs(30));
+    assert!(matches!(duplicate.await.unwrap(), Claim::InProgress { .. }));
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "SELECT replay_count, last_replayed_at IS NULL FROM {} WHERE idempotency_key = 'running'",
+        plain.table_name()
+    );
+    let row = client.query_one(&sql, &[]).await.unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, bool>(1)), (0, true));
+
+    // Without count_replays, replays leave the row as it is, and report their expiry.
+    let uncounted = scope("uncounted", None);
+    complete_with(&plain, &uncounted, &created("pay_u")).await;
+    for _ in 0..2 {
+        let claim = plain.claim(&uncounted, FINGERPRINT, Duration::from_secs(30));
+        assert!(matches!(
+            claim.await.unwrap(),
+            Claim::Completed {
+                expires_in: Some(_),
+                ..
+            }
+        ));
+    }
+    assert_eq!(
+        audit(&plain, "uncounted").await,
+        (Some("pay_u".to_owned()), 0, false)
+    );
+}
+
+/// A payments route behind `layer`: each execution creates `pay_<n>`, `201` with its
+/// `Location`. Returns the router and the count of executions.
+fn payments_app(layer: IdempotencyLayer) -> (Router, Arc<std::sync::atomic::AtomicU64>) {
+    let executed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let handler = {
+        let executed = executed.clone();
+        move || async move {
+            let n = executed.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            let location = format!("/v1/payments/pay_{n}");
+            (StatusCode::CREATED, [(http::header::LOCATION, location)])
+        }
+    };
+    let app = Router::new()
+        .route("/v1/payments", post(handler))
+        .layer(layer);
+    (app, executed)
+}
+
+async fn pay(app: &Router, key: &str, body: &'static str) -> http::Response<Body> {
+    let request = Request::post("/v1/payments")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap();
+    app.clone().oneshot(request).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_cache_in_front_of_a_counting_store_lets_every_replay_be_counted() {
+    let store = support::postgres_store().await.count_replays();
+    let cached = tower_idempotency::store::CachedStore::new(store.clone(), 1000);
+    let (app, executed) = payments_app(IdempotencyLayer::new(cached));
+
+    let first = pay(&app, "cached", r#"{"amount":1000}"#).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    for _ in 0..4 {
+        let replay = pay(&app, "cached", r#"{"amount":1000}"#).await;
+        assert_eq!(replay.status(), StatusCode::CREATED);
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(replay.headers()["location"], "/v1/payments/pay_1");
+    }
+    assert_eq!(executed.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        audit(&store, "cached").await,
+        (Some("pay_1".to_owned()), 4, true)
+    );
+
+    // A retry reusing the key for another request is refused, and counted as documented.
+    let reused = pay(&app, "cached", r#"{"amount":9999}"#).await;
+    assert_eq!(reused.status(), StatusCode::CONFLICT);
+    assert_eq!(audit(&store, "cached").await.1, 5);
+    assert_eq!(executed.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// The table as the release before `resource_id` and replay accounting created it.
+const PREVIOUS_RELEASE_DDL: &str = "CREATE TABLE IF NOT EXISTS {table} (
+    idempotency_key  TEXT        NOT NULL,
+    endpoint         TEXT        NOT NULL,
+    principal        TEXT        NOT NULL,  -- '' is anonymous
+    request_hash     BYTEA       NOT NULL,  -- SHA-256 request fingerprint
+    status           TEXT        NOT NULL CHECK (status IN ('in_progress', 'completed')),
+    status_code      SMALLINT,
+    response_headers BYTEA,                 -- versioned binary encoding, order kept
+    response_body    BYTEA,
+    claim_token      BYTEA       NOT NULL,
+    locked_until     TIMESTAMPTZ,           -- the in-progress lease
+    created_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
+    completed_at     TIMESTAMPTZ,
+    expires_at       TIMESTAMPTZ NOT NULL,
+    CONSTRAINT {index}_scope UNIQUE (idempotency_key, endpoint, principal)
+);
+CREATE INDEX IF NOT EXISTS {index}_expires_at ON {table} (expires_at);
+";
+
+/// Headers as the store encodes them (unchanged by the migration): a count, then each
+/// name and value after its length.
+fn encoded_headers(headers: &[(&str, &str)]) -> Vec<u8> {
+    let mut out = (headers.len() as u32).to_be_bytes().to_vec();
+    for (name, value) in headers {
+        for part in [name, value] {
+            out.extend_from_slice(&(part.len() as u32).to_be_bytes());
+            out.extend_from_slice(part.as_bytes());
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn migrate_upgrades_a_table_of_the_previous_release_in_place() {
+    support::postgres_store().await; // the test schema
+    let name = format!("old_{:016x}", rand::random::<u64>());
+    let table = format!("{}.{name}", support::TEST_SCHEMA);
+    let index = table.replace('.', "_");
+    let client = support::store_client(&support::database_url()).await;
+    let ddl = PREVIOUS_RELEASE_DDL
+        .replace("{table}", &table)
+        .replace("{index}", &index);
+    client.batch_execute(&ddl).await.unwrap();
+
+    // Rows the previous release wrote: a live completed one, an expired one, and a claim
+    // still held, whose holder completes it after the upgrade.
+    let held = tower_idempotency::ClaimToken::from_bytes([7; 16]);
+    let insert = format!(
+        "INSERT INTO {table} (idempotency_key, endpoint, principal, request_hash, status,
+             status_code, response_headers, response_body, claim_token, locked_until,
+             completed_at, expires_at)
+         VALUES ($1, 'POST /v1/payments', '', $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+    );
+    let headers = encoded_headers(&[("location", "/v1/payments/pay_old")]);
+    let hour = std::time::SystemTime::now() + Duration::from_secs(3600);
+    let past = std::time::SystemTime::now() - Duration::from_secs(3600);
+    let no_time: Option<std::time::SystemTime> = None;
+    let (no_code, no_bytes): (Option<i16>, Option<&[u8]>) = (None, None);
+    let hash = FINGERPRINT.as_bytes().as_slice();
+    for params in [
+        [
+            &"old-live" as &(dyn tokio_postgres::types::ToSql + Sync),
+            &hash,
+            &"completed",
+            &Some(201i16),
+            &Some(headers.as_slice()),
+            &Some(&b"{\"id\":\"pay_old\"}"[..]),
+            &[1u8; 16].as_slice(),
+            &no_time,
+            &Some(past),
+            &hour,
+        ],
+        [
+            &"old-expired",
+            &hash,
+            &"completed",
+            &Some(201i16),
+            &Some(headers.as_slice()),
+            &Some(&b"{}"[..]),
+            &[2u8; 16].as_slice(),
+            &no_time,
+            &Some(past),
+            &past,
+        ],
+        [
+            &"old-held",
+            &hash,
+            &"in_progress",
+            &no_code,
+            &no_bytes,
+            &no_bytes,
+            &held.as_bytes().as_slice(),
+            &Some(hour),
+            &no_time,
+            &hour,
+        ],
+    ] {
+        client.execute(&insert, &params).await.unwrap();
+    }
+
+    let store = PostgresStore::connect(&support::database_url())
+        .await
+        .unwrap()
+        .table(support::TEST_SCHEMA, &name)
+        .unwrap()
+        .count_replays();
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+
+    // The old rows gained the columns, empty; the index is there.
+    let sql = format!(
+        "SELECT idempotency_key, resource_id, replay_count, last_replayed_at IS NULL
+         FROM {table} ORDER BY idempotency_key"
+    );
+    let rows = client.query(&sql, &[]).await.unwrap();
+    let columns: Vec<(String, Option<String>, i64, bool)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    let empty = |key: &str| (key.to_owned(), None, 0, true);
+    assert_eq!(
+        columns,
+        [empty("old-expired"), empty("old-held"), empty("old-live")]
+    );
+    let indexes = client
+        .query(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = $2
+             ORDER BY indexname",
+            &[&support::TEST_SCHEMA, &name],
+        )
+        .await
+        .unwrap();
+    let indexes: Vec<String> = indexes.iter().map(|r| r.get(0)).collect();
+    assert_eq!(
+        indexes,
+        [
+            format!("{index}_expires_at"),
+            format!("{index}_resource_id"),
+            format!("{index}_scope"),
+        ]
+    );
+
+    // The old completed row replays, byte-exact, and its replay is counted.
+    let old = scope("old-live", None);
+    match store
+        .claim(&old, FINGERPRINT, Duration::from_secs(30))
+        .await
+        .unwrap()
+    {
+        Claim::Completed { response, .. } => {
+            assert_eq!(response.status, StatusCode::CREATED);
+            assert_eq!(response.headers["location"], "/v1/payments/pay_old");
+            assert_eq!(response.body, &b"{\"id\":\"pay_old\"}"[..]);
+        }
+        other => panic!("expected the old record, got {other:?}"),
+    }
+    assert_eq!(audit(&store, "old-live").await, (None, 1, true));
+    // The expired one is free again; the claim held across the upgrade completes.
+    assert!(claims(&store, &scope("old-expired", None), Duration::from_secs(30)).await);
+    let old_held = scope("old-held", None);
+    let response = created("pay_held");
+    let ttl = Duration::from_secs(3600);
+    let completed = store.complete(&old_held, held, FINGERPRINT, &response, ttl);
+    assert_eq!(completed.await.unwrap(), Fenced::Applied);
+    assert_eq!(
+        audit(&store, "old-held").await,
+        (Some("pay_held".to_owned()), 0, false)
+    );
+    client
+        .batch_execute(&format!("DROP TABLE {table}"))
+        .await
+        .unwrap();
+}
+
+/// Waits, up to 20 s, until `done` holds.
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn duplicates_woken_together_are_each_counted() {
+    let store = support::postgres_store()
+        .await
+        .announce_outcomes()
+        .count_replays();
+    let layer = IdempotencyLayer::new(store.clone()).wait_for_original(Duration::from_secs(20));
+    let (entered, gate) = (
+        Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        Arc::new(tokio::sync::Semaphore::new(0)),
+    );
+    let handler = {
+        let (entered, gate) = (entered.clone(), gate.clone());
+        move || async move {
+            entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            gate.acquire().await.unwrap().forget();
+            (
+                StatusCode::CREATED,
+                [(http::header::LOCATION, "/v1/payments/pay_w")],
+            )
+        }
+    };
+    let app = Router::new()
+        .route("/v1/payments", post(handler))
+        .layer(layer.clone());
+
+    let original = tokio::spawn({
+        let app = app.clone();
+        async move { pay(&app, "waited", "{}").await }
+    });
+    until("the original runs", || {
+        entered.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    let duplicates: Vec<_> = (0..3)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { pay(&app, "waited", "{}").await })
+        })
+        .collect();
+    until("three duplicates wait", || layer.waiting() == 3).await;
+    gate.add_permits(1);
+
+    let original = original.await.unwrap();
+    assert_eq!(original.status(), StatusCode::CREATED);
+    assert!(!original.headers().contains_key("idempotent-replayed"));
+    for duplicate in duplicates {
+        let duplicate = duplicate.await.unwrap();
+        assert_eq!(duplicate.status(), StatusCode::CREATED);
+        assert_eq!(duplicate.headers()["idempotent-replayed"], "true");
+    }
+    assert_eq!(entered.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        audit(&store, "waited").await,
+        (Some("pay_w".to_owned()), 3, true)
+    );
+}
+
+/// The payments example on PostgreSQL: each row names the payment its request created, and
+/// counts the retries it absorbed, behind the example's local cache.
+#[cfg(feature = "memory")]
+#[tokio::test]
+async fn payments_example_records_each_payment_id() {
+    use support::payments::{charge, fresh_key, ExampleProcess};
+
+    support::postgres_store().await; // the test schema
+    let table = unique_table("payments_example");
+    let url = support::database_url();
+    let example = ExampleProcess::start(&[
+        ("DATABASE_URL", url.as_str()),
+        ("IDEMPOTENCY_TABLE", table.as_str()),
+        ("IDEMPOTENCY_COUNT_REPLAYS", "1"),
+    ])
+    .await;
+    let key = fresh_key();
+    let first = example.api().pay(&key, "alice", &charge(1500)).await;
+    let id = first.assert_payment(1500, "usd");
+    for _ in 0..2 {
+        let retry = example.api().pay(&key, "alice", &charge(1500)).await;
+        retry.assert_replay_of(&first);
+    }
+    let other = example.api().pay(&fresh_key(), "bob", &charge(700)).await;
+    let other_id = other.assert_payment(700, "usd");
+
+    let client = support::store_client(&url).await;
+    let sql = format!(
+        "SELECT idempotency_key, principal, resource_id, replay_count FROM {table}
+         ORDER BY replay_count DESC"
+    );
+    let rows = client.query(&sql, &[]).await.unwrap();
+    let rows: Vec<(String, String, Option<String>, i64)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    drop(example);
+    client
+        .batch_execute(&format!("DROP TABLE {table}"))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!((&rows[0].0, &rows[0].2, rows[0].3), (&key, &Some(id), 2));
+    assert_eq!((&rows[1].2, rows[1].3), (&Some(other_id), 0));
+    assert_ne!(
+        rows[0].1, rows[1].1,
+        "alice and bob are principals of their own"
     );
 }

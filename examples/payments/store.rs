@@ -39,9 +39,21 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
     if let Ok(url) = std::env::var("DATABASE_URL") {
         #[cfg(feature = "postgres")]
         {
+            // Each row's `resource_id` is the payment's (or refund's) id: the last segment
+            // of the `Location` the handlers answer with, the store's default.
             let mut store = tower_idempotency::PostgresStore::connect(&url).await?;
+            if let Ok(table) = std::env::var("IDEMPOTENCY_TABLE") {
+                let (schema, name) = table
+                    .split_once('.')
+                    .ok_or_else(|| format!("IDEMPOTENCY_TABLE={table} is not schema.table"))?;
+                store = store.table(schema, name)?;
+            }
             if std::env::var_os("IDEMPOTENCY_WAIT_MS").is_some() {
                 store = store.announce_outcomes();
+            }
+            // Counted replays all reach the database: the cache keeps none of them.
+            if std::env::var_os("IDEMPOTENCY_COUNT_REPLAYS").is_some() {
+                store = store.count_replays();
             }
             store.migrate().await?;
             store.spawn_purge(Duration::from_secs(3600));

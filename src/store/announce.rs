@@ -63,6 +63,8 @@ pub struct Watch {
     slot: Arc<Slot>,
     seen: u64,
     announcements: Announcements,
+    /// Whether the waiters woken by one announcement read the key once between them.
+    shared: bool,
     /// What the store keeps alive while the watch lives (a subscription).
     _keeping: Option<Box<dyn Send + Sync>>,
 }
@@ -89,6 +91,7 @@ impl Announcements {
             slot,
             seen,
             announcements: self.clone(),
+            shared: true,
             _keeping: None,
         }
     }
@@ -170,6 +173,9 @@ impl Watch {
         F: FnOnce() -> R,
         R: Future<Output = Result<Claim>>,
     {
+        if !self.shared {
+            return read().await;
+        }
         let shared = {
             let mut last_read = lock(&self.slot.last_read);
             match &*last_read {
@@ -222,6 +228,14 @@ impl Watch {
     /// The key watched.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The watch, its waiters each reading the key themselves once woken, rather than once
+    /// between them: for a store that must see every read, as one that counts the replays
+    /// it serves.
+    pub fn reading_alone(mut self) -> Self {
+        self.shared = false;
+        self
     }
 
     /// The watch, keeping `guard` alive as long as it lives: for a store whose

@@ -35,6 +35,15 @@ use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 /// A record deleted from the shared store by hand (to let a key execute again) is still
 /// replayed by the processes that cached it, until its TTL.
 ///
+/// A store that must see every replay reports no expiry with its records, and the cache
+/// keeps none of them: in front of a
+#[cfg_attr(
+    feature = "postgres",
+    doc = "[`PostgresStore::count_replays`](crate::PostgresStore::count_replays),"
+)]
+#[cfg_attr(not(feature = "postgres"), doc = "`PostgresStore::count_replays`,")]
+/// every replay goes through to the store and is counted there.
+///
 /// # Example
 ///
 /// ```no_run

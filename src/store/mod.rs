@@ -18,7 +18,9 @@ mod shards;
 
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use self::postgres::{PostgresStore, PostgresStoreError};
+pub use self::postgres::{
+    ExtractResourceId, PostgresStore, PostgresStoreError, ResourceId, MAX_RESOURCE_ID_LEN,
+};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{RedisStore, RedisStoreError};

@@ -1,6 +1,7 @@
 //! The PostgreSQL store: a durable record of every deduplicated operation.
 
 mod listener;
+mod resource_id;
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -12,6 +13,8 @@ use tokio::task::JoinHandle;
 use tokio_postgres::{types::ToSql, NoTls, Row};
 
 use self::listener::Listener;
+use self::resource_id::Extractor;
+pub use self::resource_id::{ExtractResourceId, ResourceId, MAX_RESOURCE_ID_LEN};
 use super::{Claim, Error, Fenced, Result, Store, Watch};
 use crate::{
     record::{put_headers, recorded_trailers, take_headers},
@@ -24,6 +27,8 @@ const POOL_TIMEOUT: Duration = Duration::from_secs(2);
 const POOL_SIZE: usize = 16;
 /// A claim can lose a race with a row committed after its snapshot; it then reads again.
 const CLAIM_ATTEMPTS: usize = 5;
+/// How many rows one statement of [`PostgresStore::purge_expired`] deletes at most.
+const PURGE_BATCH: i64 = 1000;
 
 /// A store in PostgreSQL, after the classic `idempotency_keys` table: one row per
 /// `(idempotency_key, endpoint, principal)`, responses as `BYTEA` (byte-exact), the claim
@@ -80,6 +85,12 @@ pub struct PostgresStore {
     announce: bool,
     /// Announces this store's completions and releases, and relays other instances'.
     listener: Arc<Listener>,
+    /// Finds the id of what a completed request created ([`PostgresStore::resource_id`]).
+    resource_id: Extractor,
+    /// Whether replays are counted in their row ([`PostgresStore::count_replays`]).
+    count_replays: bool,
+    /// Rows deleted per statement by [`PostgresStore::purge_expired`].
+    purge_batch: i64,
 }
 
 /// Why a PostgreSQL operation failed.
@@ -130,6 +141,9 @@ struct Table {
     /// Where its completions and releases are notified.
     channel: String,
     claim: String,
+    /// `claim`, counting the replay when it finds the key completed
+    /// ([`PostgresStore::count_replays`]).
+    claim_counting: String,
     complete: String,
     release: String,
     /// `complete` and `release`, notifying the channel ([`PostgresStore::announce_outcomes`]).
@@ -181,6 +195,9 @@ impl PostgresStore {
             keep_completed: false,
             announce: false,
             listener: Arc::new(listener),
+            resource_id: Extractor::default(),
+            count_replays: false,
+            purge_batch: PURGE_BATCH,
         }
     }
 
@@ -246,12 +263,104 @@ impl PostgresStore {
         self
     }
 
-    /// The SQL that creates the table and its index, for this store's table name.
+    /// How the `resource_id` column is filled when a request completes: with the id of what
+    /// it created, found in its response by `extractor`, so that reconciliation can join
+    /// each idempotency record to the business row it stands for. By default
+    /// [`ResourceId::location`], the last path segment of `Location` (`pay_123` from
+    /// `Location: /v1/payments/pay_123`); [`ResourceId::header`],
+    /// [`ResourceId::json_pointer`], [`ResourceId::none`] or a closure
+    /// `Fn(&StoredResponse) -> Option<String>` instead. An id longer than
+    /// [`MAX_RESOURCE_ID_LEN`] bytes, empty, or with a control character leaves the column
+    /// `NULL`. Other stores record no such id.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+    /// use tower_idempotency::{store::ResourceId, PostgresStore};
+    /// // `{"id": "pay_123", ...}` → `pay_123`.
+    /// let store = PostgresStore::connect("postgres://localhost/app")
+    ///     .await?
+    ///     .resource_id(ResourceId::json_pointer("/id"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn resource_id(mut self, extractor: impl ExtractResourceId) -> Self {
+        self.resource_id = Extractor::new(extractor);
+        self
+    }
+
+    /// Count, in its row, every request that found the operation already completed:
+    /// `replay_count` goes up by one and `last_replayed_at` becomes the database's `now()`,
+    /// in the statement that reads the record (the claim), so it costs no round trip. What
+    /// is counted is each retry that was deduplicated against the row: the replays, and the
+    /// rare retry refused because it reused the key for a different request (`409`, or `422`
+    /// with IETF problem details). Duplicates refused while the original ran are not (their
+    /// next retry is).
+    ///
+    /// Every replay must reach the database to be counted, so a counting store reports no
+    /// expiry with the records it returns: a [`CachedStore`](super::CachedStore) in front
+    /// keeps no copy of them and passes every replay through, and duplicates that wait for
+    /// their original ([`wait_for_original`](crate::IdempotencyLayer::wait_for_original))
+    /// each read the record, rather than one read for all woken by one announcement.
+    /// Off by default: each replay then writes its row (a new row version, and WAL).
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+    /// use tower_idempotency::PostgresStore;
+    /// let store = PostgresStore::connect("postgres://localhost/app").await?.count_replays();
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn count_replays(mut self) -> Self {
+        self.count_replays = true;
+        self
+    }
+
+    /// How many rows each statement of [`purge_expired`](Self::purge_expired) deletes at
+    /// most (default 1000, at least 1): each batch is a transaction of its own, which locks
+    /// only its rows, and only until it commits.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+    /// use tower_idempotency::PostgresStore;
+    /// let store = PostgresStore::connect("postgres://localhost/app").await?.purge_batch(5000);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn purge_batch(mut self, rows: u32) -> Self {
+        self.purge_batch = i64::from(rows.max(1));
+        self
+    }
+
+    /// The SQL that creates the table and its indexes, for this store's table name, and
+    /// adds to a table made by an earlier release the columns and index it lacks.
     pub fn migration_sql(&self) -> String {
         migration_sql(&self.table.name)
     }
 
-    /// Creates the table and its index if they do not exist.
+    /// Creates the table and its indexes if they do not exist, and upgrades in place a
+    /// table made by an earlier release: the columns it lacks are added (`ADD COLUMN IF
+    /// NOT EXISTS`, with no table rewrite: `NULL`, or a constant default), the index on
+    /// `resource_id` built. Idempotent; its statements run in one transaction.
+    ///
+    /// The index is built with a plain `CREATE INDEX`, which blocks writes to the table
+    /// while it reads the table (a transaction cannot build one `CONCURRENTLY`). On a large
+    /// table in service, build it first without blocking, under the same name
+    /// (`<schema>_<table>_resource_id`), and `migrate` then finds it there:
+    ///
+    /// ```sql
+    /// ALTER TABLE public.idempotency_keys ADD COLUMN IF NOT EXISTS resource_id TEXT;
+    /// CREATE INDEX CONCURRENTLY IF NOT EXISTS public_idempotency_keys_resource_id
+    ///     ON public.idempotency_keys (resource_id) WHERE resource_id IS NOT NULL;
+    /// ```
+    ///
+    /// Migrate before instances of this release use the table: their statements write the
+    /// new columns.
     pub async fn migrate(&self) -> Result<(), PostgresStoreError> {
         let client = self.pool.get().await?;
         client.batch_execute(&self.migration_sql()).await?;
@@ -260,15 +369,29 @@ impl PostgresStore {
 
     /// Deletes expired rows (only abandoned claims with
     /// [`keep_completed`](Self::keep_completed)) and returns how many.
+    ///
+    /// It deletes them in batches of [`purge_batch`](Self::purge_batch) rows, each one
+    /// statement and transaction of its own, until a batch finds fewer: no long lock, no
+    /// transaction the size of the backlog. A batch skips rows another transaction has
+    /// locked (a claim taking an expired key), so a purge never waits for a claim, and a
+    /// claim waits at most for one batch. The `expires_at` index finds the rows.
     pub async fn purge_expired(&self) -> Result<u64, PostgresStoreError> {
-        let client = self.pool.get().await?;
         let sql = if self.keep_completed {
             &self.table.purge_keeping_completed
         } else {
             &self.table.purge
         };
-        let statement = client.prepare_cached(sql).await?;
-        Ok(client.execute(&statement, &[]).await?)
+        let mut purged = 0;
+        loop {
+            // A connection per batch: the pool serves requests between batches.
+            let client = self.pool.get().await?;
+            let statement = client.prepare_cached(sql).await?;
+            let deleted = client.execute(&statement, &[&self.purge_batch]).await?;
+            purged += deleted;
+            if deleted < self.purge_batch as u64 {
+                return Ok(purged);
+            }
+        }
     }
 
     /// Runs [`purge_expired`](Self::purge_expired) every `interval` until the handle is
@@ -365,9 +488,19 @@ fn migration_sql(table: &str) -> String {
     created_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
     completed_at     TIMESTAMPTZ,
     expires_at       TIMESTAMPTZ NOT NULL,
+    resource_id      TEXT,                  -- what the request created (e.g. a payment id)
+    replay_count     BIGINT      NOT NULL DEFAULT 0,  -- retries deduplicated (when counted)
+    last_replayed_at TIMESTAMPTZ,
     CONSTRAINT {index}_scope UNIQUE (idempotency_key, endpoint, principal)
 );
+-- A table made before resource_id and replay accounting gains them in place.
+ALTER TABLE {table}
+    ADD COLUMN IF NOT EXISTS resource_id      TEXT,
+    ADD COLUMN IF NOT EXISTS replay_count     BIGINT NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS last_replayed_at TIMESTAMPTZ;
 CREATE INDEX IF NOT EXISTS {index}_expires_at ON {table} (expires_at);
+CREATE INDEX IF NOT EXISTS {index}_resource_id ON {table} (resource_id)
+    WHERE resource_id IS NOT NULL;
 "
     )
 }
@@ -387,24 +520,27 @@ impl Table {
         let held = format!(
             "{scope} AND status = 'in_progress' AND claim_token = $4 AND locked_until > now()"
         );
-        // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms, $10 payload. A row this
-        // token already completed counts as held while it lives, so a completion whose reply
-        // was lost can be retried; once expired (purged or not) it is gone.
+        // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms, $10 payload, $11
+        // resource id. A row this token already completed counts as held while it lives, so
+        // a completion whose reply was lost can be retried (keeping the replays counted
+        // since); once expired (purged or not) it is gone.
         let completing = format!(
             "WITH done AS (
 UPDATE {name} SET status = 'completed', request_hash = $5, status_code = $6,
     response_headers = $7, response_body = $8, completed_at = now(), locked_until = NULL,
-    expires_at = now() + $9::bigint * interval '1 millisecond'
+    expires_at = now() + $9::bigint * interval '1 millisecond', resource_id = $11,
+    replay_count = CASE WHEN status = 'completed' THEN replay_count ELSE 0 END,
+    last_replayed_at = CASE WHEN status = 'completed' THEN last_replayed_at END
 WHERE {scope} AND claim_token = $4
     AND ((status = 'completed' AND expires_at > now()) OR locked_until > now())"
         );
         // $5 payload.
         let releasing = format!("WITH done AS (\nDELETE FROM {name} WHERE {held}");
-        Self {
-            // $4 fingerprint, $5 token, $6 lease ms. The second SELECT reads the row this
-            // statement found in the way; it runs only when nothing was claimed.
-            claim: format!(
-                "WITH claimed AS (
+        // $4 fingerprint, $5 token, $6 lease ms. Takes the key when it is free, expired or
+        // abandoned; the row it finds in the way otherwise is read by what follows, which
+        // runs only when nothing was claimed.
+        let claiming = format!(
+            "WITH claimed AS (
     INSERT INTO {name} AS r (idempotency_key, endpoint, principal, request_hash, status,
         claim_token, locked_until, created_at, expires_at)
     VALUES ($1, $2, $3, $4, 'in_progress', $5, now() + $6::bigint * interval '1 millisecond', now(),
@@ -413,22 +549,51 @@ WHERE {scope} AND claim_token = $4
         request_hash = EXCLUDED.request_hash, status = 'in_progress', status_code = NULL,
         response_headers = NULL, response_body = NULL, claim_token = EXCLUDED.claim_token,
         locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at,
-        completed_at = NULL, expires_at = EXCLUDED.expires_at
+        completed_at = NULL, expires_at = EXCLUDED.expires_at, resource_id = NULL,
+        replay_count = 0, last_replayed_at = NULL
     WHERE r.expires_at <= now() OR (r.status = 'in_progress' AND r.locked_until <= now())
     RETURNING 1
-)
-SELECT true, NULL::bytea, NULL::text, NULL::smallint, NULL::bytea, NULL::bytea, NULL::bigint,
-    NULL::bigint
-FROM claimed
-UNION ALL
-SELECT false, request_hash, status, status_code, response_headers, response_body,
+)"
+        );
+        let claimed =
+            "SELECT true, NULL::bytea, NULL::text, NULL::smallint, NULL::bytea, NULL::bytea,
+    NULL::bigint, NULL::bigint
+FROM claimed";
+        // The columns of the live row found: the time its lease (in progress) or its record
+        // (completed) has left, and how long ago it was claimed, in milliseconds.
+        let found = "false, request_hash, status, status_code, response_headers, response_body,
     (extract(epoch FROM CASE WHEN status = 'in_progress' THEN locked_until ELSE expires_at END
         - now()) * 1000)::bigint,
-    (extract(epoch FROM now() - created_at) * 1000)::bigint
-FROM {name}
-WHERE {scope} AND expires_at > now()
-    AND (status = 'completed' OR locked_until > now())
+    (extract(epoch FROM now() - created_at) * 1000)::bigint";
+        let live = format!(
+            "{scope} AND expires_at > now() AND (status = 'completed' OR locked_until > now())
     AND NOT EXISTS (SELECT 1 FROM claimed)"
+        );
+        Self {
+            claim: format!(
+                "{claiming}
+{claimed}
+UNION ALL
+SELECT {found}
+FROM {name}
+WHERE {live}"
+            ),
+            // The completed row is read by the update that counts the replay; a row in
+            // progress by a plain read. (Both see the statement's snapshot: one row at most.)
+            claim_counting: format!(
+                "{claiming},
+replayed AS (
+    UPDATE {name} SET replay_count = replay_count + 1, last_replayed_at = now()
+    WHERE {live} AND status = 'completed'
+    RETURNING {found}
+)
+{claimed}
+UNION ALL
+SELECT * FROM replayed
+UNION ALL
+SELECT {found}
+FROM {name}
+WHERE {live} AND status = 'in_progress'"
             ),
             complete_announced: format!("{completing}{}", notify(10)),
             release_announced: format!("{releasing}{}", notify(5)),
@@ -440,14 +605,23 @@ WHERE {scope} AND expires_at > now()
     expires_at = now() + $5::bigint * interval '1 millisecond'
 WHERE {held}"
             ),
-            purge: format!("DELETE FROM {name} WHERE expires_at <= now()"),
-            purge_keeping_completed: format!(
-                "DELETE FROM {name} WHERE expires_at <= now() AND status = 'in_progress'"
-            ),
+            // $1 batch size. Rows a claim has locked meanwhile are skipped; the condition is
+            // checked again on the rows deleted.
+            purge: purge(&name, "expires_at <= now()"),
+            purge_keeping_completed: purge(&name, "expires_at <= now() AND status = 'in_progress'"),
             name,
             channel,
         }
     }
+}
+
+/// A batch of the purge: up to `$1` rows of `table` where `condition` holds.
+fn purge(table: &str, condition: &str) -> String {
+    format!(
+        "DELETE FROM {table} WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {table} WHERE {condition} LIMIT $1 FOR UPDATE SKIP LOCKED
+)) AND {condition}"
+    )
 }
 
 fn millis(duration: Duration) -> i64 {
@@ -468,7 +642,10 @@ fn principal(scope: &Scope) -> &str {
     scope.principal().unwrap_or("")
 }
 
-fn decode_claim(row: &Row) -> Result<Claim> {
+/// The live row a claim found. A store that counts replays says nothing of when a
+/// completed one expires, so that no cache in front keeps a copy and serves replays the
+/// count would not see.
+fn decode_claim(row: &Row, counted: bool) -> Result<Claim> {
     let hash: Vec<u8> = row.try_get(1)?;
     let fingerprint = Fingerprint::from_bytes(
         hash.try_into()
@@ -515,7 +692,11 @@ fn decode_claim(row: &Row) -> Result<Claim> {
             Ok(Claim::Completed {
                 fingerprint,
                 response,
-                expires_in: Some(remaining_millis(row)?),
+                expires_in: if counted {
+                    None
+                } else {
+                    Some(remaining_millis(row)?)
+                },
             })
         }
         _ => Err(PostgresStoreError::UnexpectedRow("unknown status").into()),
@@ -539,7 +720,12 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<Claim> {
         let client = self.pool.get().await?;
-        let statement = client.prepare_cached(&self.table.claim).await?;
+        let sql = if self.count_replays {
+            &self.table.claim_counting
+        } else {
+            &self.table.claim
+        };
+        let statement = client.prepare_cached(sql).await?;
         let (key, endpoint, principal) = (scope.key().as_str(), scope.endpoint(), principal(scope));
         let (hash, token_bytes, lease) = (
             fingerprint.as_bytes().as_slice(),
@@ -555,7 +741,7 @@ impl Store for PostgresStore {
                 .await?;
             match row {
                 Some(row) if row.try_get::<_, bool>(0)? => return Ok(Claim::Claimed(token)),
-                Some(row) => return decode_claim(&row),
+                Some(row) => return decode_claim(&row, self.count_replays),
                 // The row in the way was committed after this statement's snapshot: again.
                 None => continue,
             }
@@ -581,7 +767,8 @@ impl Store for PostgresStore {
         }
         let status = response.status.as_u16() as i16;
         let key = listener::payload(scope);
-        let params: [&(dyn ToSql + Sync); 10] = [
+        let resource_id = self.resource_id.extract(response);
+        let params: [&(dyn ToSql + Sync); 11] = [
             &scope.key().as_str(),
             &scope.endpoint(),
             &principal(scope),
@@ -592,6 +779,7 @@ impl Store for PostgresStore {
             &response.body.as_ref(),
             &millis(ttl),
             &key.as_str(),
+            &resource_id,
         ];
         let sql = if self.announce {
             &self.table.complete_announced
@@ -633,7 +821,12 @@ impl Store for PostgresStore {
         if !self.announce {
             return Ok(None);
         }
-        Ok(self.listener.watch(&listener::payload(scope)).await)
+        let watch = self.listener.watch(&listener::payload(scope)).await;
+        // Each replay a waiter is served must be read, to be counted.
+        Ok(match watch {
+            Some(watch) if self.count_replays => Some(watch.reading_alone()),
+            watch => watch,
+        })
     }
 }
 
@@ -642,6 +835,7 @@ impl fmt::Debug for PostgresStore {
         f.debug_struct("PostgresStore")
             .field("table", &self.table.name)
             .field("keep_completed", &self.keep_completed)
+            .field("count_replays", &self.count_replays)
             .field("watched", &self.watched())
             .finish_non_exhaustive()
     }
