@@ -174,6 +174,8 @@ impl Watch {
         R: Future<Output = Result<Claim>>,
     {
         if !self.shared {
+            // Each reads alone: the others need not wait for this one's finding.
+            self.slot.announced.notify_waiters();
             return read().await;
         }
         let shared = {

@@ -1,0 +1,363 @@
+//! What the layer tells the people running it: a counter of every request's outcome and
+//! timings of the store and the handler, through the [`metrics`] facade (whatever recorder
+//! the application installs), and a `tracing` span for every keyed request.
+//!
+//! Label values are few and fixed: outcomes, operations, results and store names. Keys,
+//! principals and paths never become labels.
+
+use std::{
+    fmt::Write as _,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+use metrics::{Counter, Gauge, Histogram};
+use sha2::{Digest, Sha256};
+use tracing::Span;
+
+use crate::store::{self, Claim, Fenced};
+
+/// What the layer did with a request: the `outcome` label of `idempotency_requests_total`
+/// and the `outcome` field of the request's span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The handler ran and its response was recorded.
+    Executed,
+    /// The recorded response was replayed.
+    Replayed,
+    /// The recorded response was replayed to a duplicate that waited for its original.
+    Waited,
+    /// `409`: the key was in progress.
+    InProgress,
+    /// `409` (`422` in the IETF profile): the key was used before with other parameters.
+    Mismatch,
+    /// `400`: the route requires a key and the request had none.
+    KeyMissing,
+    /// `400`: the key header was malformed.
+    InvalidKey,
+    /// `413`: the request body was over the limit.
+    BodyTooLarge,
+    /// `400`: the request body could not be read.
+    InvalidBody,
+    /// `503`: the store could not be reached (fail closed).
+    StoreUnavailable,
+    /// The store could not be reached and the handler ran unprotected (fail open).
+    FailOpen,
+    /// The handler ran and the key was released (an error, a panic, a releasing status).
+    Released,
+    /// The handler ran and its response was too large to record: retries get `409`.
+    NotReplayable,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 13] = [
+        Outcome::Executed,
+        Outcome::Replayed,
+        Outcome::Waited,
+        Outcome::InProgress,
+        Outcome::Mismatch,
+        Outcome::KeyMissing,
+        Outcome::InvalidKey,
+        Outcome::BodyTooLarge,
+        Outcome::InvalidBody,
+        Outcome::StoreUnavailable,
+        Outcome::FailOpen,
+        Outcome::Released,
+        Outcome::NotReplayable,
+    ];
+
+    pub(crate) const fn label(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::Waited => "waited",
+            Outcome::InProgress => "in_progress",
+            Outcome::Mismatch => "mismatch",
+            Outcome::KeyMissing => "key_missing",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::BodyTooLarge => "body_too_large",
+            Outcome::InvalidBody => "invalid_body",
+            Outcome::StoreUnavailable => "store_unavailable",
+            Outcome::FailOpen => "fail_open",
+            Outcome::Released => "released",
+            Outcome::NotReplayable => "not_replayable",
+        }
+    }
+}
+
+/// A store call timed by `idempotency_store_operation_seconds`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Operation {
+    Claim,
+    Complete,
+    Release,
+    Extend,
+}
+
+impl Operation {
+    const ALL: [Operation; 4] = [
+        Operation::Claim,
+        Operation::Complete,
+        Operation::Release,
+        Operation::Extend,
+    ];
+
+    const fn label(self) -> &'static str {
+        match self {
+            Operation::Claim => "claim",
+            Operation::Complete => "complete",
+            Operation::Release => "release",
+            Operation::Extend => "extend",
+        }
+    }
+}
+
+/// How a store call ended: answered (`ok`), refused by the fence (`fence_lost`: the claim
+/// was no longer the caller's), or failed (`error`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Answer {
+    Ok,
+    FenceLost,
+    Error,
+}
+
+impl Answer {
+    const ALL: [Answer; 3] = [Answer::Ok, Answer::FenceLost, Answer::Error];
+
+    const fn label(self) -> &'static str {
+        match self {
+            Answer::Ok => "ok",
+            Answer::FenceLost => "fence_lost",
+            Answer::Error => "error",
+        }
+    }
+}
+
+/// What a store call's result says, for its `result` label.
+pub(crate) trait Answered {
+    fn answer(&self) -> Answer;
+}
+
+impl Answered for store::Result<Claim> {
+    fn answer(&self) -> Answer {
+        if self.is_ok() {
+            Answer::Ok
+        } else {
+            Answer::Error
+        }
+    }
+}
+
+impl Answered for store::Result<Fenced> {
+    fn answer(&self) -> Answer {
+        match self {
+            Ok(Fenced::Applied) => Answer::Ok,
+            Ok(Fenced::Lost) => Answer::FenceLost,
+            Err(_) => Answer::Error,
+        }
+    }
+}
+
+/// One layer's metric handles, registered with the recorder installed when the layer first
+/// reports (install the recorder before serving), then kept: recording is one atomic
+/// operation, with no name or label lookup per request.
+#[derive(Clone)]
+pub(crate) struct Meters {
+    store: &'static str,
+    handles: Arc<OnceLock<Handles>>,
+}
+
+struct Handles {
+    requests: [Counter; Outcome::ALL.len()],
+    operations: [[Histogram; Answer::ALL.len()]; Operation::ALL.len()],
+    execution: Histogram,
+    in_flight: Gauge,
+    fence_lost: Counter,
+}
+
+impl Meters {
+    /// The meters of a layer on a store named `store` (its `store` label).
+    pub(crate) fn new(store: &'static str) -> Self {
+        Self {
+            store,
+            handles: Arc::default(),
+        }
+    }
+
+    fn handles(&self) -> &Handles {
+        self.handles.get_or_init(|| {
+            let store = self.store;
+            Handles {
+                requests: Outcome::ALL.map(|outcome| {
+                    metrics::counter!("idempotency_requests_total", "outcome" => outcome.label())
+                }),
+                operations: Operation::ALL.map(|operation| {
+                    Answer::ALL.map(|answer| {
+                        metrics::histogram!(
+                            "idempotency_store_operation_seconds",
+                            "store" => store,
+                            "operation" => operation.label(),
+                            "result" => answer.label(),
+                        )
+                    })
+                }),
+                execution: metrics::histogram!("idempotency_execution_seconds"),
+                in_flight: metrics::gauge!("idempotency_in_flight"),
+                fence_lost: metrics::counter!("idempotency_fence_lost_total"),
+            }
+        })
+    }
+
+    /// Counts a request's outcome, names it on the request's span, and logs it at a level
+    /// that fits: routine outcomes at `debug`, a client's mistakes at `info`. (The store
+    /// failing and fail-open executions are logged where they happen, at `error` and
+    /// `warn`.)
+    pub(crate) fn answered(&self, outcome: Outcome) {
+        self.handles().requests[outcome as usize].increment(1);
+        let span = Span::current();
+        if !span.is_disabled() {
+            span.record("outcome", outcome.label());
+        }
+        let outcome = outcome.label();
+        match outcome {
+            "mismatch" | "key_missing" | "invalid_key" | "body_too_large" | "invalid_body" => {
+                tracing::info!(outcome, "idempotency: request refused")
+            }
+            _ => tracing::debug!(outcome, "idempotency: request answered"),
+        }
+    }
+
+    /// Times a store call and counts a lost fence.
+    pub(crate) async fn timed<T, F>(&self, operation: Operation, call: F) -> T
+    where
+        F: std::future::Future<Output = T>,
+        T: Answered,
+    {
+        let started = tokio::time::Instant::now();
+        let result = call.await;
+        let elapsed = started.elapsed();
+        let answer = result.answer();
+        let handles = self.handles();
+        handles.operations[operation as usize][answer as usize].record(elapsed);
+        if answer == Answer::FenceLost {
+            handles.fence_lost.increment(1);
+        }
+        tracing::debug!(
+            operation = operation.label(),
+            result = answer.label(),
+            ?elapsed,
+            "idempotency store"
+        );
+        result
+    }
+
+    /// Records how long a handler ran.
+    pub(crate) fn executed_for(&self, elapsed: Duration) {
+        self.handles().execution.record(elapsed);
+    }
+
+    /// The gauge of executions holding a key.
+    pub(crate) fn in_flight(&self) -> Gauge {
+        self.handles().in_flight.clone()
+    }
+}
+
+impl std::fmt::Debug for Meters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Meters")
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+/// How a keyed request's span shows its idempotency key and its principal
+/// ([`IdempotencyLayer::span_key`](crate::IdempotencyLayer::span_key),
+/// [`span_principal`](crate::IdempotencyLayer::span_principal)).
+///
+/// A principal is a name the application gave, or a digest of a credential: never the
+/// credential itself.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SpanField {
+    /// The first 12 hex digits of the value's SHA-256: enough to follow one key through
+    /// the logs, nothing to read it back from. The default.
+    #[default]
+    Digest,
+    /// The value itself.
+    Plain,
+    /// Left out.
+    Omitted,
+}
+
+impl SpanField {
+    fn show(self, span: &Span, field: &str, value: &str) {
+        match self {
+            SpanField::Digest => span.record(field, short_digest(value).as_str()),
+            SpanField::Plain => span.record(field, value),
+            SpanField::Omitted => span,
+        };
+    }
+}
+
+/// The span of a keyed request, before its scope is known: `idempotency`, at `info`, with
+/// its endpoint, key, principal and outcome filled in as they become known.
+pub(crate) fn request_span() -> Span {
+    tracing::info_span!(
+        "idempotency",
+        endpoint = tracing::field::Empty,
+        key = tracing::field::Empty,
+        principal = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    )
+}
+
+/// Names the request's scope on its span, as configured: digests are made only for a span
+/// some subscriber records.
+pub(crate) fn show_scope(scope: &crate::Scope, key: SpanField, principal: SpanField) {
+    let span = Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    span.record("endpoint", scope.endpoint());
+    key.show(&span, "key", scope.key().as_str());
+    if let Some(name) = scope.principal() {
+        principal.show(&span, "principal", name);
+    }
+}
+
+fn short_digest(value: &str) -> String {
+    let digest = Sha256::digest(value.as_bytes());
+    let mut hex = String::with_capacity(12);
+    for byte in &digest[..6] {
+        let _ = write!(hex, "{byte:02x}");
+    }
+    hex
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_distinct_and_indexed_in_order() {
+        for (index, outcome) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(*outcome as usize, index);
+        }
+        for (index, operation) in Operation::ALL.iter().enumerate() {
+            assert_eq!(*operation as usize, index);
+        }
+        for (index, answer) in Answer::ALL.iter().enumerate() {
+            assert_eq!(*answer as usize, index);
+        }
+        let mut labels: Vec<_> = Outcome::ALL.iter().map(|o| o.label()).collect();
+        labels.sort();
+        labels.dedup();
+        assert_eq!(labels.len(), Outcome::ALL.len());
+    }
+
+    #[test]
+    fn a_digest_is_short_and_stable() {
+        assert_eq!(short_digest("abc"), "ba7816bf8f01");
+        assert_ne!(short_digest("abc"), short_digest("abd"));
+    }
+}
