@@ -17,6 +17,7 @@ use http::{header, request::Parts, HeaderMap, HeaderName, Request, Response, Sta
 use http_body::Body;
 use http_body_util::BodyExt;
 use tower_service::Service;
+use tracing::Instrument;
 
 use tokio::time::Instant;
 
@@ -30,6 +31,7 @@ use crate::{
     replay::replay,
     request_body::HandOnBody,
     store::{self, Claim, Fenced, Store},
+    telemetry::{Operation, Outcome},
     wait, ClaimToken, Fingerprint, Scope, StoredResponse,
 };
 
@@ -76,15 +78,15 @@ where
         let token = ClaimToken::unique();
         let mut claim = {
             let abandoned = AbandonedClaim::arm(&store, &config, &scope, token);
-            let claim = store
-                .claim_with_token(&scope, fingerprint, token, config.lease)
-                .await;
+            let claiming = store.claim_with_token(&scope, fingerprint, token, config.lease);
+            let claim = config.meters.timed(Operation::Claim, claiming).await;
             if settled(&claim) {
                 abandoned.disarm();
             }
             claim
         };
         // A duplicate of a running request may wait for its outcome (opt-in, bounded).
+        let mut waited = false;
         if let Some(bound) = config.wait {
             let duplicate = matches!(&claim, Ok(Claim::InProgress { fingerprint: theirs, .. }) if *theirs == fingerprint);
             if let Some(_waiting) = duplicate
@@ -94,17 +96,20 @@ where
                 let again = || claim_key(&store, &config, &scope, fingerprint, token);
                 // Boxed: kept in place, this rare path would make every request's future
                 // larger.
-                let waited =
+                let waiting =
                     wait::for_original(&*store, &scope, fingerprint, (bound, config.lease), again);
-                claim = Box::pin(waited).await;
+                claim = Box::pin(waiting).await;
+                waited = true;
             }
         }
+        let answered = |outcome| config.meters.answered(outcome);
         match claim {
             Ok(Claim::Claimed(_)) => {}
             Ok(Claim::InProgress {
                 fingerprint: theirs,
                 ..
             }) if theirs != fingerprint => {
+                answered(Outcome::Mismatch);
                 return reject(Reason::ReusedWithDifferentParams);
             }
             // A record of a negotiated response (`Vary`) keeps the fingerprint varied by
@@ -117,9 +122,15 @@ where
             }) if theirs == fingerprint
                 || theirs == fingerprint.varied(&response.headers, &parts.headers) =>
             {
-                return Ok(replay(response))
+                answered(if waited {
+                    Outcome::Waited
+                } else {
+                    Outcome::Replayed
+                });
+                return Ok(replay(response));
             }
             Ok(Claim::Completed { .. }) => {
+                answered(Outcome::Mismatch);
                 return reject(Reason::ReusedWithDifferentParams);
             }
             Ok(Claim::InProgress {
@@ -128,13 +139,15 @@ where
                 ..
             }) => {
                 let retry_after = retry_after(running_for, lease_remaining);
+                answered(Outcome::InProgress);
                 return reject(Reason::InProgress { retry_after });
             }
             Err(error) if config.fail_open => {
-                tracing::error!(
-                    principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
+                tracing::warn!(
+                    %error,
                     "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
                 );
+                answered(Outcome::FailOpen);
                 let request = Request::from_parts(parts, ReqBody::buffered(body));
                 // Boxed: kept in place, this rare path's future would make every request's
                 // future larger.
@@ -143,9 +156,10 @@ where
             }
             Err(error) => {
                 tracing::error!(
-                    principal = scope.principal(), endpoint = scope.endpoint(), key = %scope.key(), %error,
+                    %error,
                     "idempotency store unavailable: refusing the request (fail-closed)"
                 );
+                answered(Outcome::StoreUnavailable);
                 return reject(Reason::StoreUnavailable);
             }
         }
@@ -154,7 +168,7 @@ where
         // fence refuses it anyway.
         let claimed_at = Instant::now();
         let held = Held {
-            _in_flight: config.in_flight.enter(),
+            _in_flight: config.in_flight.enter(config.meters.in_flight()),
             store,
             config,
             scope,
@@ -177,9 +191,8 @@ async fn claim_key(
     token: ClaimToken,
 ) -> store::Result<Claim> {
     let abandoned = AbandonedClaim::arm(store, config, scope, token);
-    let claim = store
-        .claim_with_token(scope, fingerprint, token, config.lease)
-        .await;
+    let claiming = store.claim_with_token(scope, fingerprint, token, config.lease);
+    let claim = config.meters.timed(Operation::Claim, claiming).await;
     if settled(&claim) {
         abandoned.disarm();
     }
@@ -216,6 +229,8 @@ where
     F::Output: Send,
 {
     execution: Option<Pin<Box<F>>>,
+    /// The request's span, which the execution keeps in a task of its own.
+    span: tracing::Span,
 }
 
 impl<F: Future + Send + 'static> FinishOnDrop<F>
@@ -225,6 +240,7 @@ where
     fn new(execution: F) -> Self {
         Self {
             execution: Some(Box::pin(execution)),
+            span: tracing::Span::current(),
         }
     }
 }
@@ -260,7 +276,7 @@ where
         // Without a runtime (one shutting down) nothing can finish it: the lease frees
         // the key, as after a crash.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(execution);
+            runtime.spawn(execution.instrument(self.span.clone()));
         }
     }
 }
@@ -302,7 +318,7 @@ impl Drop for AbandonedClaim<'_> {
         };
         // Counted from now: the claim left before, so its lease ends no later than this.
         let held = Held {
-            _in_flight: config.in_flight.enter(),
+            _in_flight: config.in_flight.enter(config.meters.in_flight()),
             store: Arc::clone(store),
             config: Arc::clone(config),
             scope: scope.clone(),
@@ -310,12 +326,14 @@ impl Drop for AbandonedClaim<'_> {
             protocol: Protocol::Http,
             renewed: Mutex::new(Instant::now()),
         };
-        runtime.spawn(async move {
+        let releasing = async move {
             let release = || held.store.release(&held.scope, held.token);
-            if let Err(error) = held.write_until_settled(release).await {
-                tracing::warn!(key = %held.scope.key(), %error, "could not release an abandoned claim: it frees itself when its lease runs out");
+            let released = held.write_until_settled(Operation::Release, release).await;
+            if let Err(error) = released {
+                tracing::warn!(%error, "could not release an abandoned claim: it frees itself when its lease runs out");
             }
-        });
+        };
+        runtime.spawn(releasing.instrument(tracing::Span::current()));
     }
 }
 
@@ -350,7 +368,10 @@ impl Held {
         // (`Vary`): its record must match only retries that ask the same.
         let asked = SentHeaders::of(request.headers());
         let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
-        match self.renew_while(call).await {
+        let started = Instant::now();
+        let called = self.renew_while(call).await;
+        self.config.meters.executed_for(started.elapsed());
+        match called {
             Err(panic) => {
                 self.release("the handler panicked").await;
                 std::panic::resume_unwind(panic)
@@ -389,7 +410,8 @@ impl Held {
         loop {
             ticks.tick().await;
             let sent = Instant::now();
-            match self.store.extend(&self.scope, self.token, lease).await {
+            let extending = self.store.extend(&self.scope, self.token, lease);
+            match self.config.meters.timed(Operation::Extend, extending).await {
                 Ok(Fenced::Applied) => {
                     *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) = sent;
                 }
@@ -399,10 +421,7 @@ impl Held {
                     );
                     return std::future::pending().await;
                 }
-                Err(error) => tracing::warn!(
-                    principal = self.scope.principal(), endpoint = self.scope.endpoint(),
-                    key = %self.scope.key(), %error, "could not renew the idempotency lease"
-                ),
+                Err(error) => tracing::warn!(%error, "could not renew the idempotency lease"),
             }
         }
     }
@@ -414,10 +433,16 @@ impl Held {
     /// lease is renewed meanwhile whenever the store answers. Writes are fenced and
     /// idempotent, so repeating one that did apply is harmless; past the lease, the key
     /// may be another request's, and the fence would refuse the write anyway.
-    async fn write_until_settled<'a, F>(&'a self, write: impl Fn() -> F) -> store::Result<Fenced>
+    async fn write_until_settled<'a, F>(
+        &'a self,
+        operation: Operation,
+        write: impl Fn() -> F,
+    ) -> store::Result<Fenced>
     where
         F: Future<Output = store::Result<Fenced>> + 'a,
     {
+        let meters = &self.config.meters;
+        let write = || meters.timed(operation, write());
         // The first attempt goes alone: a store that answers (nearly always) costs no timer.
         let first = match write().await {
             Err(error) => error,
@@ -432,8 +457,7 @@ impl Held {
                     return Err(error);
                 }
                 tracing::warn!(
-                    principal = self.scope.principal(), endpoint = self.scope.endpoint(),
-                    key = %self.scope.key(), %error, retry_in = ?backoff,
+                    %error, retry_in = ?backoff,
                     "idempotency store write failed; retrying while the lease lasts"
                 );
                 tokio::time::sleep_until(next).await;
@@ -454,17 +478,17 @@ impl Held {
 
     async fn release(&self, why: &str) {
         let release = || self.store.release(&self.scope, self.token);
-        match self.write_until_settled(release).await {
+        match self.write_until_settled(Operation::Release, release).await {
             Ok(Fenced::Applied) => {
-                tracing::debug!(key = %self.scope.key(), why, "idempotency key released");
+                tracing::debug!(why, "idempotency key released");
             }
             Ok(Fenced::Lost) => self.warn("could not release: the claim was already lost"),
             Err(error) => tracing::error!(
-                principal = self.scope.principal(), endpoint = self.scope.endpoint(),
-                key = %self.scope.key(), %error, why,
+                %error, why,
                 "could not release the idempotency key within its lease: it frees itself as the lease runs out"
             ),
         }
+        self.config.meters.answered(Outcome::Released);
     }
 
     /// Buffers the response (up to `max_response_body`), stores it, and returns it.
@@ -479,8 +503,11 @@ impl Held {
         B::Error: fmt::Display,
     {
         let (parts, body) = response.into_parts();
-        let (stored, body, fingerprint) = match buffer_response(body, self.config.max_response_body)
-            .await
+        let (stored, body, fingerprint, outcome) = match buffer_response(
+            body,
+            self.config.max_response_body,
+        )
+        .await
         {
             Buffered::Whole { body, trailers } => {
                 if self.releases(&parts, trailers.as_ref()) {
@@ -500,6 +527,7 @@ impl Held {
                     stored,
                     ResponseBody::with_trailers(body, trailers),
                     fingerprint,
+                    Outcome::Executed,
                 )
             }
             Buffered::TooLarge { prefix, rest } => {
@@ -511,10 +539,11 @@ impl Held {
                 let stored =
                     Rejection::new(reason, endpoint).into_stored(self.protocol, &self.config);
                 // Not the response but a refusal to replay it, to every retry alike.
-                (stored, ResponseBody::spliced(prefix, rest), fingerprint)
+                let body = ResponseBody::spliced(prefix, rest);
+                (stored, body, fingerprint, Outcome::NotReplayable)
             }
             Buffered::Failed(error) => {
-                tracing::error!(key = %self.scope.key(), %error, "the response body failed");
+                tracing::error!(%error, "the response body failed");
                 self.release("the response body failed").await;
                 let mut response = Response::new(ResponseBody::full(Bytes::new()));
                 *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
@@ -526,17 +555,20 @@ impl Held {
             self.store
                 .complete(&self.scope, self.token, fingerprint, &stored, ttl)
         };
-        match self.write_until_settled(complete).await {
+        match self
+            .write_until_settled(Operation::Complete, complete)
+            .await
+        {
             Ok(Fenced::Applied) => {}
             Ok(Fenced::Lost) => {
                 self.warn("claim lost before the response was recorded: it will not be replayed")
             }
             Err(error) => tracing::error!(
-                principal = self.scope.principal(), endpoint = self.scope.endpoint(),
-                key = %self.scope.key(), %error,
+                %error,
                 "could not record the response within the lease: a retry after the lease runs out executes again"
             ),
         }
+        self.config.meters.answered(outcome);
         Response::from_parts(parts, body)
     }
 
@@ -562,10 +594,7 @@ impl Held {
     }
 
     fn warn(&self, message: &str) {
-        tracing::warn!(
-            principal = self.scope.principal(), endpoint = self.scope.endpoint(),
-            key = %self.scope.key(), token = ?self.token, "{message}"
-        );
+        tracing::warn!(token = ?self.token, "{message}");
     }
 }
 

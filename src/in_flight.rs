@@ -10,6 +10,7 @@ use std::{
     time::Duration,
 };
 
+use metrics::Gauge;
 use tokio::sync::Notify;
 
 /// The executions of one [`IdempotencyLayer`](crate::IdempotencyLayer) that still hold a
@@ -77,10 +78,13 @@ impl InFlight {
     }
 
     /// Counts an execution until the returned guard is dropped.
-    pub(crate) fn enter(&self) -> Execution {
+    /// An execution holding a key, counted here and on `gauge` until dropped.
+    pub(crate) fn enter(&self, gauge: Gauge) -> Execution {
         self.executions.count.fetch_add(1, Ordering::AcqRel);
+        gauge.increment(1.0);
         Execution {
             executions: Arc::clone(&self.executions),
+            gauge,
         }
     }
 }
@@ -96,10 +100,12 @@ impl fmt::Debug for InFlight {
 /// One execution counted by [`InFlight`].
 pub(crate) struct Execution {
     executions: Arc<Executions>,
+    gauge: Gauge,
 }
 
 impl Drop for Execution {
     fn drop(&mut self) {
+        self.gauge.decrement(1.0);
         if self.executions.count.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.executions.none_left.notify_waiters();
         }
@@ -114,8 +120,8 @@ mod tests {
     async fn settles_when_the_last_execution_ends() {
         let in_flight = InFlight::default();
         assert!(in_flight.settled(Duration::ZERO).await);
-        let first = in_flight.enter();
-        let second = in_flight.enter();
+        let first = in_flight.enter(Gauge::noop());
+        let second = in_flight.enter(Gauge::noop());
         assert_eq!(in_flight.count(), 2);
         assert!(!in_flight.settled(Duration::from_millis(10)).await);
         let waiter = tokio::spawn({

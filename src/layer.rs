@@ -12,6 +12,7 @@ use crate::{
     rejection::RenderRejection,
     service::Idempotency,
     store::Store,
+    telemetry::{Meters, SpanField},
     wait::Waiters,
 };
 
@@ -67,6 +68,9 @@ pub(crate) struct Config {
     /// `None`: the default JSON errors, [`Rejection::json_response`](crate::Rejection::json_response).
     pub(crate) render_rejections: Option<Arc<dyn RenderRejection>>,
     pub(crate) in_flight: InFlight,
+    pub(crate) meters: Meters,
+    pub(crate) span_key: SpanField,
+    pub(crate) span_principal: SpanField,
 }
 
 /// A judge of whole responses, set by [`IdempotencyLayer::release_when`].
@@ -102,6 +106,9 @@ impl Default for Config {
             max_waiting: DEFAULT_MAX_WAITING,
             waiters: Waiters::default(),
             in_flight: InFlight::default(),
+            meters: Meters::new("custom"),
+            span_key: SpanField::default(),
+            span_principal: SpanField::default(),
         }
     }
 }
@@ -137,9 +144,13 @@ impl IdempotencyLayer {
     /// let refunds = IdempotencyLayer::from_shared(store);
     /// ```
     pub fn from_shared(store: Arc<dyn Store>) -> Self {
+        let config = Config {
+            meters: Meters::new(store.name()),
+            ..Config::default()
+        };
         Self {
             store,
-            config: Arc::new(Config::default()),
+            config: Arc::new(config),
         }
     }
 
@@ -148,6 +159,29 @@ impl IdempotencyLayer {
     /// Every clone of the layer, and every service it made, shares them.
     pub fn in_flight(&self) -> InFlight {
         self.config.in_flight.clone()
+    }
+
+    /// How each keyed request's `idempotency` span shows its idempotency key. Default:
+    /// [`SpanField::Digest`], a short digest that follows one key through the logs without
+    /// revealing it.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, SpanField};
+    /// // Keys are random UUIDs here, safe to log as they are.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).span_key(SpanField::Plain);
+    /// ```
+    pub fn span_key(mut self, shown: SpanField) -> Self {
+        self.config().span_key = shown;
+        self
+    }
+
+    /// How each keyed request's `idempotency` span shows its principal. Default:
+    /// [`SpanField::Digest`].
+    pub fn span_principal(mut self, shown: SpanField) -> Self {
+        self.config().span_principal = shown;
+        self
     }
 
     /// How many requests of this layer (every clone, every service it made) wait for their

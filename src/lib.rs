@@ -65,6 +65,7 @@ mod request_body;
 mod scope;
 mod service;
 pub mod store;
+mod telemetry;
 mod wait;
 
 /// The Redis driver the store is built on, so applications use a matching version.
@@ -104,3 +105,4 @@ pub use store::PostgresStore;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisStore;
 pub use store::Store;
+pub use telemetry::SpanField;

@@ -12,6 +12,7 @@ use http::{request::Parts, Extensions, Method, Request, Response, Uri};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::{
     body::ResponseBody,
@@ -22,6 +23,7 @@ use crate::{
     rejection::{Reason, Rejection},
     request_body::HandOnBody,
     store::Store,
+    telemetry::{self, Outcome},
     Fingerprint, IdempotencyKey, Principal, Scope,
 };
 
@@ -81,12 +83,14 @@ where
         ) {
             Ok(Some(key)) => key,
             Ok(None) if config.required => {
+                config.meters.answered(Outcome::KeyMissing);
                 return ResponseFuture::answered(reject(Reason::KeyRequired, config, &request));
             }
             Ok(None) => {
                 return ResponseFuture::pass_through(self.inner.call(request.map(HandOnBody::pass)))
             }
             Err(_) => {
+                config.meters.answered(Outcome::InvalidKey);
                 return ResponseFuture::answered(reject(Reason::InvalidKey, config, &request));
             }
         };
@@ -94,13 +98,8 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let (store, config) = (self.store.clone(), self.config.clone());
-        ResponseFuture::keyed(Box::pin(keyed(
-            inner,
-            store,
-            config,
-            key,
-            request.into_parts(),
-        )))
+        let keyed = keyed(inner, store, config, key, request.into_parts());
+        ResponseFuture::keyed(Box::pin(keyed.instrument(telemetry::request_span())))
     }
 }
 
@@ -130,6 +129,10 @@ where
         let body = match buffer_request(&parts, body, config.max_request_body).await {
             Ok(body) => body,
             Err(reason) => {
+                config.meters.answered(match reason {
+                    Reason::BodyTooLarge { .. } => Outcome::BodyTooLarge,
+                    _ => Outcome::InvalidBody,
+                });
                 let endpoint = endpoint(&config, &parts.method, &parts.uri, &parts.extensions);
                 let endpoint = endpoint.concat();
                 let rejection = Rejection::new(reason, Some(endpoint));
@@ -137,6 +140,7 @@ where
             }
         };
         let scope = scope(&config, &parts, key);
+        telemetry::show_scope(&scope, config.span_key, config.span_principal);
         let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
         execute::run::<S, ReqBody, ResBody>(inner, store, config, scope, fingerprint, (parts, body))
             .await

@@ -186,6 +186,7 @@ impl Meters {
 
     fn handles(&self) -> &Handles {
         self.handles.get_or_init(|| {
+            describe();
             let store = self.store;
             Handles {
                 requests: Outcome::ALL.map(|outcome| {
@@ -323,6 +324,41 @@ pub(crate) fn show_scope(scope: &crate::Scope, key: SpanField, principal: SpanFi
     if let Some(name) = scope.principal() {
         principal.show(&span, "principal", name);
     }
+}
+
+/// The metrics' help texts and units, for recorders that export them.
+fn describe() {
+    use metrics::Unit;
+    metrics::describe_counter!(
+        "idempotency_requests_total",
+        "Requests with an idempotency key or refused for lacking one, by outcome"
+    );
+    metrics::describe_histogram!(
+        "idempotency_store_operation_seconds",
+        Unit::Seconds,
+        "Idempotency store calls by store, operation and result"
+    );
+    metrics::describe_histogram!(
+        "idempotency_execution_seconds",
+        Unit::Seconds,
+        "How long handlers ran for keyed requests that executed"
+    );
+    metrics::describe_gauge!(
+        "idempotency_in_flight",
+        "Executions holding an idempotency key: running or recording their outcome"
+    );
+    metrics::describe_counter!(
+        "idempotency_fence_lost_total",
+        "Writes refused because the claim was no longer the writer's (its lease ran out)"
+    );
+    metrics::describe_counter!(
+        "idempotency_cache_hits_total",
+        "Claims answered from the local cache of completed records"
+    );
+    metrics::describe_counter!(
+        "idempotency_cache_misses_total",
+        "Claims the local cache passed on to the store"
+    );
 }
 
 fn short_digest(value: &str) -> String {

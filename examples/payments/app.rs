@@ -71,6 +71,8 @@ pub struct Settings {
     pub max_response_body: Option<usize>,
     /// How long a duplicate of a running payment waits for its outcome; `None`: no waiting.
     pub wait: Option<Duration>,
+    /// Whether handlers run unprotected while the store is unreachable (else `503`).
+    pub fail_open: bool,
 }
 
 impl Default for Settings {
@@ -81,6 +83,7 @@ impl Default for Settings {
             problems: None,
             max_response_body: None,
             wait: None,
+            fail_open: false,
         }
     }
 }
@@ -100,6 +103,9 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
     }
     if let Some(bound) = settings.wait {
         layer = layer.wait_for_original(bound);
+    }
+    if settings.fail_open {
+        layer = layer.fail_open();
     }
     let stats = Arc::new(Stats::new(layer.in_flight()));
     let app = Router::new()

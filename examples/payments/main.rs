@@ -17,17 +17,29 @@
 //! IETF problem details (`application/problem+json`, `422` for a reused key);
 //! `IDEMPOTENCY_MAX_RESPONSE_BODY` (bytes) caps recorded responses;
 //! `IDEMPOTENCY_WAIT_MS` lets a duplicate of a running request wait that long for its
-//! outcome instead of answering `409`;
+//! outcome instead of answering `409`; `IDEMPOTENCY_FAIL_OPEN=1` runs handlers unprotected
+//! while the store is unreachable instead of answering `503`;
 //! `IDEMPOTENCY_CACHE_RECORDS` (default
 //! 100000, 0 to turn off) sizes the local cache of completed records kept in front of Redis
 //! or PostgreSQL; `PAYMENTS_STATS=payments` makes
 //! `GET /v1/stats` report the payments counter alone, for load harnesses that read one
-//! number from it.
+//! number from it. `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
+//! filters the logs (default `info`).
 
 mod app;
 mod store;
 
 use std::time::Duration;
+
+use axum::routing::get;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Histogram buckets of the `_seconds` metrics, in seconds: from a local store's tens of
+/// microseconds to a slow handler's seconds.
+const SECONDS_BUCKETS: [f64; 16] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
 
 /// How long a shutdown waits for executions to record their outcome: the default lease,
 /// past which their keys are free again anyway.
@@ -36,6 +48,8 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     store::init_logging();
+    // Installed before the layer first reports, which registers its metrics then.
+    let metrics = install_metrics()?;
 
     let mut settings = app::Settings::default();
     if let Some(secs) = store::env_secs("IDEMPOTENCY_TTL_SECS")? {
@@ -57,9 +71,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map_err(|_| format!("IDEMPOTENCY_WAIT_MS={value} is not milliseconds"))?;
         settings.wait = Some(Duration::from_millis(millis));
     }
+    settings.fail_open = std::env::var("IDEMPOTENCY_FAIL_OPEN").as_deref() == Ok("1");
     let store = store::from_env().await?;
     tracing::info!(?store, ?settings, "payments store");
     let (app, stats) = app::router(store, settings);
+    let app = app.route("/metrics", get(move || async move { metrics.render() }));
     if std::env::var("PAYMENTS_STATS").as_deref() == Ok("payments") {
         stats.report_payments_only();
     }
@@ -78,6 +94,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     Ok(())
+}
+
+/// The Prometheus recorder behind the `metrics` facade, with histograms in buckets (for
+/// `histogram_quantile`), drained every few seconds.
+fn install_metrics() -> Result<PrometheusHandle, Box<dyn std::error::Error>> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)?
+        .install_recorder()?;
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            ticks.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
 }
 
 async fn shutdown() {

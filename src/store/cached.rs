@@ -2,11 +2,12 @@
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, MutexGuard},
+    sync::{Arc, MutexGuard, OnceLock},
     time::{Duration, Instant},
 };
 
 use async_trait::async_trait;
+use metrics::Counter;
 
 use super::{
     shards::{Hashed, Shards, Table, SHARDS},
@@ -60,6 +61,14 @@ pub struct CachedStore<S> {
     inner: S,
     shards: Shards<Shard>,
     max_per_shard: usize,
+    /// `idempotency_cache_hits_total` and `_misses_total`, registered on first use.
+    counters: OnceLock<CacheCounters>,
+}
+
+#[derive(Debug)]
+struct CacheCounters {
+    hits: Counter,
+    misses: Counter,
 }
 
 #[derive(Debug, Default)]
@@ -85,7 +94,15 @@ impl<S: Store> CachedStore<S> {
             inner,
             shards: Shards::new(Shard::default),
             max_per_shard: (max_records / SHARDS).max(1),
+            counters: OnceLock::new(),
         }
+    }
+
+    fn counters(&self) -> &CacheCounters {
+        self.counters.get_or_init(|| CacheCounters {
+            hits: metrics::counter!("idempotency_cache_hits_total"),
+            misses: metrics::counter!("idempotency_cache_misses_total"),
+        })
     }
 
     /// The store behind the cache.
@@ -125,6 +142,10 @@ impl<S: Store> CachedStore<S> {
 
 #[async_trait]
 impl<S: Store> Store for CachedStore<S> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
     async fn claim_with_token(
         &self,
         scope: &Scope,
@@ -138,6 +159,7 @@ impl<S: Store> Store for CachedStore<S> {
             let now = Instant::now();
             match shard.records.get(key) {
                 Some(cached) if cached.expires_at > now => {
+                    self.counters().hits.increment(1);
                     return Ok(Claim::Completed {
                         fingerprint: cached.fingerprint,
                         response: cached.response.clone(),
@@ -150,6 +172,7 @@ impl<S: Store> Store for CachedStore<S> {
                 None => {}
             }
         }
+        self.counters().misses.increment(1);
         let claim = self
             .inner
             .claim_with_token(scope, fingerprint, token, lease)

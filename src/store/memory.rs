@@ -174,6 +174,10 @@ impl Shard {
 
 #[async_trait]
 impl Store for MemoryStore {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
     async fn claim_with_token(
         &self,
         scope: &Scope,

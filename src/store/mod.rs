@@ -310,6 +310,13 @@ pub trait Store: Debug + Send + Sync + 'static {
     async fn watch(&self, _scope: &Scope) -> Result<Option<Watch>> {
         Ok(None)
     }
+
+    /// A short fixed name for the store's kind: the `store` label of the layer's metrics
+    /// (`"memory"`, `"redis"`, `"postgres"`; a cache in front gives its store's). The
+    /// default, `"custom"`, fits a store of one's own.
+    fn name(&self) -> &'static str {
+        "custom"
+    }
 }
 
 /// The future of a [`Store`] operation, as `#[async_trait]` writes it.
@@ -377,6 +384,10 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         Self: 'f,
     {
         (**self).extend(scope, token, lease)
+    }
+
+    fn name(&self) -> &'static str {
+        (**self).name()
     }
 
     fn watch<'s, 'scope, 'f>(&'s self, scope: &'scope Scope) -> StoreFuture<'f, Option<Watch>>

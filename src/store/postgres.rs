@@ -712,6 +712,10 @@ fn remaining_millis(row: &Row) -> Result<Duration> {
 
 #[async_trait]
 impl Store for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
     async fn claim_with_token(
         &self,
         scope: &Scope,

@@ -663,6 +663,10 @@ fn millis(duration: Duration) -> u64 {
 
 #[async_trait]
 impl Store for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
     async fn claim_with_token(
         &self,
         scope: &Scope,
