@@ -78,8 +78,11 @@ where
         let token = ClaimToken::unique();
         let mut claim = {
             let abandoned = AbandonedClaim::arm(&store, &config, &scope, token);
-            let claiming = store.claim_with_token(&scope, fingerprint, token, config.lease);
-            let claim = config.meters.timed(Operation::Claim, claiming).await;
+            let started = std::time::Instant::now();
+            let claim = store
+                .claim_with_token(&scope, fingerprint, token, config.lease)
+                .await;
+            config.meters.stored(Operation::Claim, started, &claim);
             if settled(&claim) {
                 abandoned.disarm();
             }
@@ -151,8 +154,10 @@ where
                 let request = Request::from_parts(parts, ReqBody::buffered(body));
                 // Boxed: kept in place, this rare path's future would make every request's
                 // future larger.
-                let response = Box::pin(inner.call(request)).await?;
-                return Ok(response.map(ResponseBody::inner));
+                let started = Instant::now();
+                let response = Box::pin(inner.call(request)).await;
+                config.meters.executed_for(started.elapsed());
+                return Ok(response?.map(ResponseBody::inner));
             }
             Err(error) => {
                 tracing::error!(
@@ -191,8 +196,11 @@ async fn claim_key(
     token: ClaimToken,
 ) -> store::Result<Claim> {
     let abandoned = AbandonedClaim::arm(store, config, scope, token);
-    let claiming = store.claim_with_token(scope, fingerprint, token, config.lease);
-    let claim = config.meters.timed(Operation::Claim, claiming).await;
+    let started = std::time::Instant::now();
+    let claim = store
+        .claim_with_token(scope, fingerprint, token, config.lease)
+        .await;
+    config.meters.stored(Operation::Claim, started, &claim);
     if settled(&claim) {
         abandoned.disarm();
     }
@@ -410,8 +418,12 @@ impl Held {
         loop {
             ticks.tick().await;
             let sent = Instant::now();
-            let extending = self.store.extend(&self.scope, self.token, lease);
-            match self.config.meters.timed(Operation::Extend, extending).await {
+            let started = std::time::Instant::now();
+            let extended = self.store.extend(&self.scope, self.token, lease).await;
+            self.config
+                .meters
+                .stored(Operation::Extend, started, &extended);
+            match extended {
                 Ok(Fenced::Applied) => {
                     *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) = sent;
                 }
@@ -442,9 +454,11 @@ impl Held {
         F: Future<Output = store::Result<Fenced>> + 'a,
     {
         let meters = &self.config.meters;
-        let write = || meters.timed(operation, write());
         // The first attempt goes alone: a store that answers (nearly always) costs no timer.
-        let first = match write().await {
+        let started = std::time::Instant::now();
+        let written = write().await;
+        meters.stored(operation, started, &written);
+        let first = match written {
             Err(error) => error,
             done => return done,
         };
@@ -462,7 +476,10 @@ impl Held {
                 );
                 tokio::time::sleep_until(next).await;
                 backoff = (backoff * 2).min(WRITE_RETRY_MAX);
-                error = match write().await {
+                let started = std::time::Instant::now();
+                let written = write().await;
+                meters.stored(operation, started, &written);
+                error = match written {
                     Err(error) => error,
                     done => return done,
                 };

@@ -8,7 +8,7 @@
 use std::{
     fmt::Write as _,
     sync::{Arc, OnceLock},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use metrics::{Counter, Gauge, Histogram};
@@ -228,14 +228,10 @@ impl Meters {
         }
     }
 
-    /// Times a store call and counts a lost fence.
-    pub(crate) async fn timed<T, F>(&self, operation: Operation, call: F) -> T
-    where
-        F: std::future::Future<Output = T>,
-        T: Answered,
-    {
-        let started = tokio::time::Instant::now();
-        let result = call.await;
+    /// Records a store call begun at `started` that ended with `result`, and counts a lost
+    /// fence. (Timed where it is awaited: wrapping the call in a future of its own would
+    /// move the store's future once more per call.)
+    pub(crate) fn stored(&self, operation: Operation, started: Instant, result: &impl Answered) {
         let elapsed = started.elapsed();
         let answer = result.answer();
         let handles = self.handles();
@@ -249,7 +245,6 @@ impl Meters {
             ?elapsed,
             "idempotency store"
         );
-        result
     }
 
     /// Records how long a handler ran.
