@@ -6,6 +6,7 @@
 #
 #   benches/instructions.sh                 # every path, N=2000
 #   N=500 benches/instructions.sh replay_memory first_redis
+#   INSTRUCTIONS_RECORDER=prometheus benches/instructions.sh first_memory   # metrics recorded
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${N:-2000}
@@ -16,7 +17,8 @@ bin=$(cargo bench --bench instructions --no-run --message-format=json 2>/dev/nul
   | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 [ -x "$bin" ] || { echo "could not build benches/instructions.rs" >&2; exit 1; }
 count() { # path requests -> instructions of the whole run
-  valgrind --tool=callgrind --callgrind-out-file=/dev/null "$bin" "$1" "$2" 2>&1 \
+  valgrind --tool=callgrind --callgrind-out-file=/dev/null --collect-atstart=no \
+    --toggle-collect='instructions::measured' "$bin" "$1" "$2" 2>&1 \
     | sed -n 's/.*Collected : \([0-9]*\).*/\1/p'
 }
 printf '%-15s %14s\n' path instructions/request
