@@ -99,7 +99,13 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let (store, config) = (self.store.clone(), self.config.clone());
         let keyed = keyed(inner, store, config, key, request.into_parts());
-        ResponseFuture::keyed(Box::pin(keyed.instrument(telemetry::request_span())))
+        // A span no subscriber records is left out: entering it on every poll costs.
+        let span = telemetry::request_span();
+        if span.is_disabled() {
+            ResponseFuture::keyed(Box::pin(keyed))
+        } else {
+            ResponseFuture::keyed(Box::pin(keyed.instrument(span)))
+        }
     }
 }
 
