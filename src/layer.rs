@@ -456,10 +456,21 @@ impl IdempotencyLayer {
     ///
     /// Waiters are woken by the store's announcements ([`Store::watch`]), whichever
     /// instance ran the original: the memory store in process, Redis by pub/sub (with
-    /// [`RedisStore::announce_outcomes`](crate::RedisStore::announce_outcomes) on every
-    /// instance), PostgreSQL by `LISTEN`/`NOTIFY` (with
-    /// [`PostgresStore::announce_outcomes`](crate::PostgresStore::announce_outcomes)); the waiters one announcement wakes read the key
-    /// once between them. A store that announces nothing (one made from a bare connection
+    #[cfg_attr(
+        feature = "redis",
+        doc = "[`RedisStore::announce_outcomes`](crate::RedisStore::announce_outcomes)"
+    )]
+    #[cfg_attr(not(feature = "redis"), doc = "`RedisStore::announce_outcomes`")]
+    /// on every instance), PostgreSQL by `LISTEN`/`NOTIFY` (with
+    #[cfg_attr(
+        feature = "postgres",
+        doc = "[`PostgresStore::announce_outcomes`](crate::PostgresStore::announce_outcomes));"
+    )]
+    #[cfg_attr(
+        not(feature = "postgres"),
+        doc = "`PostgresStore::announce_outcomes`);"
+    )]
+    /// the waiters one announcement wakes read the key once between them. A store that announces nothing (one made from a bare connection
     /// or pool, or a store of one's own) is read again every 20 ms, doubling up to 200 ms.
     /// Every waiter also reads its key again when the holder's lease would run out.
     /// At most [`max_waiting`](Self::max_waiting) requests wait at once; a waiter whose

@@ -113,8 +113,11 @@ pub enum Fenced {
 /// Implementations are written with [`#[tower_idempotency::async_trait]`](crate::async_trait)
 /// on the `impl` block. A backend with a single key column can name each record by
 /// [`Scope::storage_key`] and keep it as [`Record::encode`](crate::Record::encode) writes
-/// it. The cases of [`conformance`](crate::conformance) (feature `conformance`) check a
-/// store against this contract, as they check the built-in ones.
+/// it. The cases of
+#[cfg_attr(feature = "conformance", doc = "[`conformance`](crate::conformance)")]
+#[cfg_attr(not(feature = "conformance"), doc = "`conformance`")]
+/// (feature `conformance`) check a store against this contract, as they check the
+/// built-in ones.
 ///
 /// A complete store over a key-value map whose entries expire, the shape of most backends
 /// (an item with a TTL attribute and conditional writes, a key with a lease and a
