@@ -1015,3 +1015,70 @@ async fn long_schema_and_table_names_get_all_their_indexes() {
     }
     assert!(claimed);
 }
+
+#[tokio::test]
+async fn a_purge_never_deletes_a_row_a_concurrent_claim_took() {
+    let store = support::postgres_store().await.purge_batch(3);
+    let table = store.table_name().to_owned();
+    let n = 240;
+    expired_rows(&store, "race", n).await;
+
+    // Four claimers take the expired keys over while purges delete in small batches.
+    let claimers: Vec<_> = (0..4)
+        .map(|c| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut taken = Vec::new();
+                for i in (c..n).step_by(4) {
+                    let key = format!("race-{i}");
+                    let lease = Duration::from_secs(60);
+                    let scope = scope(&key, None);
+                    let claim = store.claim(&scope, FINGERPRINT, lease);
+                    if let Claim::Claimed(token) = claim.await.unwrap() {
+                        taken.push((key, token));
+                    }
+                }
+                taken
+            })
+        })
+        .collect();
+    let purges: Vec<_> = (0..2)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut purged = 0;
+                for _ in 0..20 {
+                    purged += store.purge_expired().await.unwrap();
+                }
+                purged
+            })
+        })
+        .collect();
+    let mut taken = Vec::new();
+    for claimer in claimers {
+        taken.extend(claimer.await.unwrap());
+    }
+    for purge in purges {
+        purge.await.unwrap();
+    }
+    assert_eq!(taken.len(), n, "every expired key is free to claim");
+
+    // Each key taken is still held, by its claimer.
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "SELECT idempotency_key, claim_token FROM {table}
+         WHERE status = 'in_progress' AND locked_until > now()"
+    );
+    let rows = client.query(&sql, &[]).await.unwrap();
+    let held: std::collections::HashMap<String, Vec<u8>> =
+        rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let lost: Vec<&String> = taken
+        .iter()
+        .filter(|(key, token)| {
+            held.get(key).map(Vec::as_slice) != Some(token.as_bytes().as_slice())
+        })
+        .map(|(key, _)| key)
+        .collect();
+    drop_table(&table).await;
+    assert!(lost.is_empty(), "claims purged: {lost:?}");
+}

@@ -789,7 +789,10 @@ WHERE {held}"
     }
 }
 
-/// A batch of the purge: up to `$1` rows of `table` where `condition` holds.
+/// A batch of the purge: up to `$1` rows of `table` where `condition` holds. Rows are
+/// picked by `ctid` and locked: a row a claim rewrote since (taking the expired key) has a
+/// new version, with another `ctid`, and is not deleted; the condition, checked again,
+/// keeps it so whatever picks the rows.
 fn purge(table: &str, condition: &str) -> String {
     format!(
         "DELETE FROM {table} WHERE ctid = ANY(ARRAY(
