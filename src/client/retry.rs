@@ -1,7 +1,10 @@
 //! The retry loop both front ends share: one key, bounded attempts, backoff with jitter,
 //! `Retry-After`, a per-attempt timeout and an overall deadline.
 
-use std::{future::Future, time::SystemTime};
+use std::{
+    future::Future,
+    time::{Duration, SystemTime},
+};
 
 use bytes::Bytes;
 use http::{header::RETRY_AFTER, Extensions, HeaderMap, StatusCode};
@@ -43,11 +46,13 @@ where
     T: Transport,
     P: RetryPolicy<T::Error>,
 {
-    let deadline = Instant::now() + settings.deadline;
+    let deadline = deadline_from(Instant::now(), settings.deadline);
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
         let limit = settings.attempt_timeout.map_or(left, |t| t.min(left));
         let outcome = match timeout(limit, attempt(policy, transport)).await {
             Ok(outcome) => outcome,
@@ -78,7 +83,7 @@ where
             let told = hint.map_or(backoff, |hint| hint.min(settings.max_retry_after));
             let wait = backoff.max(told);
             // No attempt starts, and no wait ends, at or past the deadline.
-            if Instant::now() + wait < deadline {
+            if ends_in_time(Instant::now(), wait, deadline) {
                 tracing::debug!(%key, attempts, ?wait, "idempotent call: retrying");
                 drop(outcome);
                 sleep(wait).await;
@@ -97,6 +102,21 @@ where
             }
             Err(failure) => Err(ClientError::new(Some(call), failure)),
         };
+    }
+}
+
+/// When a call started at `now` with `deadline` must end; `None` (no deadline) when that is
+/// past what the clock can represent.
+pub(crate) fn deadline_from(now: Instant, deadline: Duration) -> Option<Instant> {
+    now.checked_add(deadline)
+}
+
+/// Whether a wait of `wait` from `now` ends before `deadline`. A wait past what the clock
+/// can represent ends past any deadline.
+pub(crate) fn ends_in_time(now: Instant, wait: Duration, deadline: Option<Instant>) -> bool {
+    match deadline {
+        None => true,
+        Some(deadline) => now.checked_add(wait).is_some_and(|end| end < deadline),
     }
 }
 

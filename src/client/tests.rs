@@ -295,6 +295,58 @@ async fn no_attempt_starts_and_no_wait_ends_past_the_deadline() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_longest_deadline_and_retry_after_cap_do_not_overflow() {
+    // A deadline too far for the clock to represent: as good as none.
+    let layer = layer().deadline(Duration::MAX);
+    let (client, seen) = scripted(layer, |n| match n {
+        0 => with_header(answer(503, ""), "retry-after", "1"),
+        _ => answer(201, "{}"),
+    });
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(
+        (response.status(), seen.attempts()),
+        (StatusCode::CREATED, 2)
+    );
+
+    // A Retry-After too long for the clock, uncapped: a wait past the deadline.
+    let layer = self::layer().max_retry_after(Duration::MAX);
+    let (client, seen) = scripted(layer, |_| {
+        with_header(answer(503, ""), "retry-after", "99999999999999999999")
+    });
+    let start = Instant::now();
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!((seen.attempts(), start.elapsed()), (1, Duration::ZERO));
+
+    // Both: each is cut to the longest the setters take; the wait ends at the deadline.
+    let layer = self::layer()
+        .deadline(Duration::MAX)
+        .max_retry_after(Duration::MAX);
+    let (client, seen) = scripted(layer, |_| {
+        with_header(answer(503, ""), "retry-after", "99999999999999999999")
+    });
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(seen.attempts(), 1);
+}
+
+#[test]
+fn a_deadline_or_wait_past_what_the_clock_holds_is_no_deadline_or_too_late() {
+    let now = Instant::now();
+    assert_eq!(retry::deadline_from(now, Duration::MAX), None);
+    let deadline = retry::deadline_from(now, Duration::from_secs(1));
+    assert_eq!(deadline, Some(now + Duration::from_secs(1)));
+    assert!(retry::ends_in_time(now, Duration::MAX, None));
+    assert!(!retry::ends_in_time(now, Duration::MAX, deadline));
+    assert!(retry::ends_in_time(
+        now,
+        Duration::from_millis(999),
+        deadline
+    ));
+    assert!(!retry::ends_in_time(now, Duration::from_secs(1), deadline));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_hung_attempt_times_out_and_the_deadline_bounds_the_call() {
     let seen = Seen::default();
     let log = seen.clone();
