@@ -24,7 +24,9 @@ pub enum Outcome<'a, E> {
 
 /// The longest body the client reads to classify an answer, in bytes. A body whose length
 /// is unknown in advance (chunked) or larger is not read; the policy sees `body: None`
-/// and the caller gets the body as it came.
+/// and the caller gets the body as it came. A body that said it was no longer and turns
+/// out longer is read no further than the frame that passes the limit: the policy sees
+/// `body: None` too, and the caller gets the whole body, what was read then the rest.
 pub const MAX_INSPECTED_BODY: u64 = 4096;
 
 /// Decides whether an attempt's outcome is retried (with the same key). The client still

@@ -23,8 +23,10 @@ pub(crate) trait Answer: Sized + Send {
     fn extensions_mut(&mut self) -> &mut Extensions;
     /// The most bytes the body can have, when known in advance.
     fn body_len(&self) -> Option<u64>;
-    /// Reads the whole body; returns the answer with the same body, buffered, and its bytes.
-    fn buffer(self) -> impl Future<Output = Result<(Self, Bytes), BoxError>> + Send;
+    /// Reads the body, up to [`MAX_INSPECTED_BODY`] bytes; returns the answer with the same
+    /// body, whole, and its bytes if it was no longer than that (`None` if it was: it
+    /// misreported its length, and is not inspected).
+    fn buffer(self) -> impl Future<Output = Result<(Self, Option<Bytes>), BoxError>> + Send;
 }
 
 /// Sends one attempt of a call: the same request, the same key, each time.
@@ -135,5 +137,5 @@ where
         return Ok((answer, None));
     }
     let (answer, body) = answer.buffer().await.map_err(Failure::Body)?;
-    Ok((answer, Some(body)))
+    Ok((answer, body))
 }

@@ -206,6 +206,70 @@ async fn a_large_409_is_classified_by_retry_after_and_reaches_the_caller_whole()
     assert_eq!(seen.attempts(), 3);
 }
 
+/// A body that says it is 100 bytes long and is `chunks` 1000-byte frames of `text`'s
+/// bytes, repeated as needed.
+struct LyingBody {
+    text: Bytes,
+    chunks: usize,
+    offset: usize,
+}
+
+impl http_body::Body for LyingBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.chunks == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        self.chunks -= 1;
+        let start = self.offset;
+        let end = (start + 1000).min(self.text.len());
+        self.offset = end;
+        let chunk = self.text.slice(start..end);
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(chunk))))
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(100)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_409_body_longer_than_it_said_is_not_inspected_and_reaches_the_caller_whole() {
+    let text = format!(
+        r#"{{"error":"request_in_progress","pad":"{}"}}"#,
+        "x".repeat(8960)
+    );
+    assert_eq!(text.len(), 9000);
+    let text = Bytes::from(text);
+    let seen = Seen::default();
+    let log = seen.clone();
+    let served = text.clone();
+    let server = service_fn(move |_: Request<Full<Bytes>>| {
+        log.0.lock().unwrap().push(None);
+        let body = LyingBody {
+            text: served.clone(),
+            chunks: 9,
+            offset: 0,
+        };
+        let mut response = Response::new(body);
+        *response.status_mut() = StatusCode::CONFLICT;
+        async move { Ok::<_, &'static str>(response) }
+    });
+    let response = layer().layer(server).oneshot(post()).await.unwrap();
+    assert_eq!(
+        seen.attempts(),
+        1,
+        "read no further than the limit: no Retry-After, not retried"
+    );
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(bytes, text);
+}
+
 #[tokio::test(start_paused = true)]
 async fn retry_after_is_waited_in_seconds_and_as_a_date() {
     let (client, seen) = scripted(layer(), |n| match n {
