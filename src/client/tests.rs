@@ -271,6 +271,34 @@ async fn a_409_body_longer_than_it_said_is_not_inspected_and_reaches_the_caller_
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_409_is_classified_by_its_body_over_retry_after() {
+    // In progress, as the server words it, without Retry-After (an error renderer may
+    // drop it): retried.
+    let (client, seen) = scripted(layer(), |n| match n {
+        0 => answer(409, r#"{"error":"request_in_progress","retry_after":1}"#),
+        _ => answer(201, "{}"),
+    });
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(
+        (response.status(), seen.attempts()),
+        (StatusCode::CREATED, 2)
+    );
+
+    // The key reused for another request, with a Retry-After nonetheless: returned after
+    // one attempt, its body intact.
+    let reused = r#"{"error":"idempotency_key_reused_with_different_params"}"#;
+    let (client, seen) = scripted(layer(), move |_| {
+        with_header(answer(409, reused), "retry-after", "1")
+    });
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(seen.attempts(), 1);
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert_eq!(response.headers()[RETRY_AFTER], "1");
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(bytes, reused.as_bytes());
+}
+
+#[tokio::test(start_paused = true)]
 async fn retry_after_is_waited_in_seconds_and_as_a_date() {
     let (client, seen) = scripted(layer(), |n| match n {
         0 => with_header(answer(503, ""), "retry-after", "3"),
