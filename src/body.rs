@@ -63,6 +63,20 @@ impl<B> ResponseBody<B> {
         }
     }
 
+    /// The body [`inner`](Self::inner) wrapped, when that is all this is.
+    #[cfg(feature = "client")]
+    pub(crate) fn into_inner(self) -> Result<B, Self> {
+        match self {
+            Self {
+                prefix: None,
+                rest: Some(rest),
+                spilled: None,
+                trailers: None,
+            } => Ok(rest),
+            other => Err(other),
+        }
+    }
+
     pub(crate) fn spliced(prefix: Bytes, rest: Pin<Box<B>>) -> Self {
         Self {
             prefix: Some(prefix),

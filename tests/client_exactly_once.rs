@@ -150,9 +150,45 @@ async fn exactly_once_through_loss(env: &[(&str, &str)], http: Http, payments: u
     );
 }
 
-/// The proxy lost exchanges of both kinds, so the run tested something.
+/// The proxy lost exchanges of both kinds, so the run tested something, and lost nothing
+/// by failing itself (what it could not relay is on stderr).
 fn assert_losses_happened(counts: Counts, payments: usize) {
+    assert_eq!(counts.broken, 0, "the proxy failed to relay: {counts:?}");
     assert!(counts.resets > 0, "{counts:?}");
     assert!(counts.dropped > 0, "{counts:?}");
     assert!(counts.requests >= payments as u64, "{counts:?}");
+}
+
+/// What the proxy cannot relay is counted as its own failure, not as a loss.
+#[tokio::test]
+async fn the_proxy_counts_what_it_cannot_relay_apart_from_losses() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    // A server that answers chunked, which the proxy does not read.
+    let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = server.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut socket, _) = server.accept().await.unwrap();
+        let mut request = [0; 1024];
+        let _ = socket.read(&mut request).await;
+        let chunked = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n";
+        let _ = socket.write_all(chunked.as_bytes()).await;
+    });
+    let proxy = LossyProxy::start(upstream, 0.0, 0.0).await;
+    let mut client = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+    let request = "POST /v1/payments HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n";
+    client.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = client.read_to_end(&mut answer).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while proxy.counts().broken == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let counts = proxy.counts();
+    assert!(answer.is_empty(), "{}", String::from_utf8_lossy(&answer));
+    assert_eq!(
+        (counts.requests, counts.broken, counts.delivered),
+        (1, 1, 0),
+        "{counts:?}"
+    );
 }

@@ -876,3 +876,209 @@ async fn payments_example_records_each_payment_id() {
         "alice and bob are principals of their own"
     );
 }
+
+/// Drops `table` (a qualified name).
+async fn drop_table(table: &str) {
+    let client = support::store_client(&support::database_url()).await;
+    client
+        .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
+        .await
+        .unwrap();
+}
+
+/// Another session that read `table` and keeps its transaction open.
+async fn reading(table: &str) -> tokio_postgres::Client {
+    let reader = support::store_client(&support::database_url()).await;
+    let sql = format!("BEGIN; SELECT count(*) FROM {table}");
+    reader.batch_execute(&sql).await.unwrap();
+    reader
+}
+
+#[tokio::test]
+async fn migrate_on_an_up_to_date_table_waits_for_no_open_reader() {
+    let store = support::postgres_store().await;
+    let table = store.table_name().to_owned();
+    let reader = reading(&table).await;
+
+    // An instance starts and migrates; requests keep being claimed meanwhile. (The
+    // timeouts only bound a failure: a lock queued behind the reader never ends.)
+    let migrate = tokio::spawn({
+        let store = store.clone();
+        async move { store.migrate().await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let during = scope("during", None);
+    let claim = claims(&store, &during, Duration::from_secs(30));
+    let claimed = tokio::time::timeout(Duration::from_secs(4), claim).await;
+    assert!(
+        claimed.expect("a claim queued behind the migration"),
+        "the key was free"
+    );
+    let migrated = tokio::time::timeout(Duration::from_secs(4), migrate).await;
+    migrated
+        .expect("migrate waited for the reader")
+        .unwrap()
+        .unwrap();
+    reader.batch_execute("ROLLBACK").await.unwrap();
+    drop_table(&table).await;
+}
+
+#[tokio::test]
+async fn a_migration_blocked_by_an_open_reader_gives_up_and_changes_nothing() {
+    support::postgres_store().await; // the test schema
+    let table = unique_table("blocked");
+    let (schema, name) = table.split_once('.').unwrap();
+    let ddl = PREVIOUS_RELEASE_DDL
+        .replace("{table}", &table)
+        .replace("{index}", &table.replace('.', "_"));
+    let client = support::store_client(&support::database_url()).await;
+    client.batch_execute(&ddl).await.unwrap();
+    let reader = reading(&table).await;
+
+    let store = PostgresStore::connect(&support::database_url())
+        .await
+        .unwrap()
+        .table(schema, name)
+        .unwrap();
+    let migrated = tokio::time::timeout(Duration::from_secs(20), store.migrate()).await;
+    let error = migrated.expect("migrate gives up by its lock timeout");
+    assert!(
+        matches!(error, Err(PostgresStoreError::MigrationBlocked { .. })),
+        "{error:?}"
+    );
+    reader.batch_execute("ROLLBACK").await.unwrap();
+    store.migrate().await.unwrap();
+    drop_table(&table).await;
+}
+
+#[tokio::test]
+async fn concurrent_migrations_of_a_fresh_table_all_succeed() {
+    support::postgres_store().await; // the test schema
+    let table = unique_table("fresh");
+    let name = table.split_once('.').unwrap().1.to_owned();
+    let mut migrations = Vec::new();
+    for _ in 0..6 {
+        let store = PostgresStore::connect(&support::database_url())
+            .await
+            .unwrap()
+            .table(support::TEST_SCHEMA, &name)
+            .unwrap();
+        migrations.push(tokio::spawn(async move { store.migrate().await }));
+    }
+    let mut failures = Vec::new();
+    for migration in migrations {
+        if let Err(error) = migration.await.unwrap() {
+            failures.push(error.to_string());
+        }
+    }
+    drop_table(&table).await;
+    assert!(failures.is_empty(), "{failures:?}");
+}
+
+#[tokio::test]
+async fn long_schema_and_table_names_get_all_their_indexes() {
+    let schema = format!("idempotency_tests_long_{:016x}_s", rand::random::<u64>());
+    let name = format!("long_table_{:016x}_ttt", rand::random::<u64>());
+    assert_eq!((schema.len(), name.len()), (41, 31));
+    let client = support::store_client(&support::database_url()).await;
+    client
+        .batch_execute(&format!("CREATE SCHEMA {schema}"))
+        .await
+        .unwrap();
+    let store = PostgresStore::connect(&support::database_url())
+        .await
+        .unwrap()
+        .table(&schema, &name)
+        .unwrap();
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    let indexes = client
+        .query(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = $2",
+            &[&schema, &name],
+        )
+        .await
+        .unwrap();
+    let mut indexes: Vec<String> = indexes.iter().map(|r| r.get(0)).collect();
+    indexes.sort_unstable();
+    let claimed = claims(&store, &scope("long", None), Duration::from_secs(30)).await;
+    client
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .unwrap();
+    assert_eq!(indexes.len(), 3, "{indexes:?}");
+    for (index, suffix) in indexes
+        .iter()
+        .zip(["_expires_at", "_resource_id", "_scope"])
+    {
+        assert!(index.len() <= 63 && index.ends_with(suffix), "{indexes:?}");
+    }
+    assert!(claimed);
+}
+
+#[tokio::test]
+async fn a_purge_never_deletes_a_row_a_concurrent_claim_took() {
+    let store = support::postgres_store().await.purge_batch(3);
+    let table = store.table_name().to_owned();
+    let n = 240;
+    expired_rows(&store, "race", n).await;
+
+    // Four claimers take the expired keys over while purges delete in small batches.
+    let claimers: Vec<_> = (0..4)
+        .map(|c| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut taken = Vec::new();
+                for i in (c..n).step_by(4) {
+                    let key = format!("race-{i}");
+                    let lease = Duration::from_secs(60);
+                    let scope = scope(&key, None);
+                    let claim = store.claim(&scope, FINGERPRINT, lease);
+                    if let Claim::Claimed(token) = claim.await.unwrap() {
+                        taken.push((key, token));
+                    }
+                }
+                taken
+            })
+        })
+        .collect();
+    let purges: Vec<_> = (0..2)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut purged = 0;
+                for _ in 0..20 {
+                    purged += store.purge_expired().await.unwrap();
+                }
+                purged
+            })
+        })
+        .collect();
+    let mut taken = Vec::new();
+    for claimer in claimers {
+        taken.extend(claimer.await.unwrap());
+    }
+    for purge in purges {
+        purge.await.unwrap();
+    }
+    assert_eq!(taken.len(), n, "every expired key is free to claim");
+
+    // Each key taken is still held, by its claimer.
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "SELECT idempotency_key, claim_token FROM {table}
+         WHERE status = 'in_progress' AND locked_until > now()"
+    );
+    let rows = client.query(&sql, &[]).await.unwrap();
+    let held: std::collections::HashMap<String, Vec<u8>> =
+        rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let lost: Vec<&String> = taken
+        .iter()
+        .filter(|(key, token)| {
+            held.get(key).map(Vec::as_slice) != Some(token.as_bytes().as_slice())
+        })
+        .map(|(key, _)| key)
+        .collect();
+    drop_table(&table).await;
+    assert!(lost.is_empty(), "claims purged: {lost:?}");
+}

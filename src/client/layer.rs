@@ -7,6 +7,10 @@ use tower_layer::Layer;
 
 use super::{Backoff, DefaultPolicy, IdempotentClient};
 
+/// The longest deadline and `Retry-After` cap the setters keep: far longer than any call,
+/// and far from the end of what the clock can represent.
+const LONGEST: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
 /// What a client does; shared by every service a layer makes.
 #[derive(Clone, Debug)]
 pub(crate) struct Settings {
@@ -159,7 +163,8 @@ impl<P> IdempotentClientLayer<P> {
 
     /// How long a whole call may take, from its first attempt (default 30 s). No attempt
     /// starts and no wait ends past it: a retry that would is not made, and the last
-    /// answer or failure is returned. An attempt in flight at the deadline times out.
+    /// answer or failure is returned. An attempt in flight at the deadline times out. At
+    /// most a year: a longer one (`Duration::MAX` for none) is taken as a year.
     ///
     /// # Example
     ///
@@ -170,7 +175,7 @@ impl<P> IdempotentClientLayer<P> {
     /// let layer = IdempotentClientLayer::new().deadline(Duration::from_secs(60));
     /// ```
     pub fn deadline(self, deadline: Duration) -> Self {
-        self.with(|s| s.deadline = deadline)
+        self.with(|s| s.deadline = deadline.min(LONGEST))
     }
 
     /// How long one attempt may take before it is abandoned, as a [`Failure::TimedOut`]
@@ -206,7 +211,8 @@ impl<P> IdempotentClientLayer<P> {
 
     /// The longest wait a `Retry-After` is obeyed for (default 30 s). A retried answer's
     /// `Retry-After` (seconds or an HTTP-date) is waited, capped at this, unless the
-    /// backoff asks for longer; a wait past the deadline ends the call instead.
+    /// backoff asks for longer; a wait past the deadline ends the call instead. At most a
+    /// year: a longer one is taken as a year.
     ///
     /// # Example
     ///
@@ -217,7 +223,7 @@ impl<P> IdempotentClientLayer<P> {
     /// let layer = IdempotentClientLayer::new().max_retry_after(Duration::from_secs(5));
     /// ```
     pub fn max_retry_after(self, max: Duration) -> Self {
-        self.with(|s| s.max_retry_after = max)
+        self.with(|s| s.max_retry_after = max.min(LONGEST))
     }
 
     /// Decides which outcomes are retried with `policy` instead (see [`RetryPolicy`]).

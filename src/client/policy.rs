@@ -24,7 +24,9 @@ pub enum Outcome<'a, E> {
 
 /// The longest body the client reads to classify an answer, in bytes. A body whose length
 /// is unknown in advance (chunked) or larger is not read; the policy sees `body: None`
-/// and the caller gets the body as it came.
+/// and the caller gets the body as it came. A body that said it was no longer and turns
+/// out longer is read no further than the frame that passes the limit: the policy sees
+/// `body: None` too, and the caller gets the whole body, what was read then the rest.
 pub const MAX_INSPECTED_BODY: u64 = 4096;
 
 /// Decides whether an attempt's outcome is retried (with the same key). The client still
@@ -87,6 +89,23 @@ where
 /// [`MAX_INSPECTED_BODY`]) or names no code is retried only if it carries `Retry-After`: the
 /// crate's server sends `Retry-After` on every in-progress `409`, whatever renders its
 /// errors, and never on the others.
+///
+/// **Every error of the inner service is retried**, whatever it is: a generic Tower layer
+/// cannot tell a connection refused from an error no attempt can fix (an invalid URI, a
+/// request the HTTP client refuses to build). Such a call still ends, at the attempt
+/// limit or the deadline, with the last error; to stop at once on errors you can tell
+/// apart, replace the policy:
+///
+/// ```
+/// use std::io::{Error, ErrorKind};
+/// use tower_idempotency::client::{DefaultPolicy, Failure, IdempotentClientLayer, Outcome, RetryPolicy};
+///
+/// // The default rules, but an invalid input is returned at the first attempt.
+/// let layer = IdempotentClientLayer::new().policy(|outcome: &Outcome<'_, Error>| match outcome {
+///     Outcome::Failed(Failure::Service(error)) if error.kind() == ErrorKind::InvalidInput => false,
+///     _ => DefaultPolicy.retry(outcome),
+/// });
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultPolicy;
 

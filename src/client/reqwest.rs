@@ -175,7 +175,8 @@ impl Answer for Response {
         self.content_length()
     }
 
-    async fn buffer(mut self) -> Result<(Self, Bytes), BoxError> {
+    // reqwest (hyper) fails a body longer than its `Content-Length`, the length inspected.
+    async fn buffer(mut self) -> Result<(Self, Option<Bytes>), BoxError> {
         let (status, version, url) = (self.status(), self.version(), self.url().clone());
         let headers = std::mem::take(self.headers_mut());
         let extensions = std::mem::take(self.extensions_mut());
@@ -187,6 +188,6 @@ impl Answer for Response {
             .body(bytes.clone())?;
         *rebuilt.headers_mut() = headers;
         rebuilt.extensions_mut().extend(extensions);
-        Ok((Response::from(rebuilt), bytes))
+        Ok((Response::from(rebuilt), Some(bytes)))
     }
 }

@@ -1,7 +1,10 @@
 //! The retry loop both front ends share: one key, bounded attempts, backoff with jitter,
 //! `Retry-After`, a per-attempt timeout and an overall deadline.
 
-use std::{future::Future, time::SystemTime};
+use std::{
+    future::Future,
+    time::{Duration, SystemTime},
+};
 
 use bytes::Bytes;
 use http::{header::RETRY_AFTER, Extensions, HeaderMap, StatusCode};
@@ -20,8 +23,10 @@ pub(crate) trait Answer: Sized + Send {
     fn extensions_mut(&mut self) -> &mut Extensions;
     /// The most bytes the body can have, when known in advance.
     fn body_len(&self) -> Option<u64>;
-    /// Reads the whole body; returns the answer with the same body, buffered, and its bytes.
-    fn buffer(self) -> impl Future<Output = Result<(Self, Bytes), BoxError>> + Send;
+    /// Reads the body, up to [`MAX_INSPECTED_BODY`] bytes; returns the answer with the same
+    /// body, whole, and its bytes if it was no longer than that (`None` if it was: it
+    /// misreported its length, and is not inspected).
+    fn buffer(self) -> impl Future<Output = Result<(Self, Option<Bytes>), BoxError>> + Send;
 }
 
 /// Sends one attempt of a call: the same request, the same key, each time.
@@ -43,11 +48,13 @@ where
     T: Transport,
     P: RetryPolicy<T::Error>,
 {
-    let deadline = Instant::now() + settings.deadline;
+    let deadline = deadline_from(Instant::now(), settings.deadline);
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
         let limit = settings.attempt_timeout.map_or(left, |t| t.min(left));
         let outcome = match timeout(limit, attempt(policy, transport)).await {
             Ok(outcome) => outcome,
@@ -78,7 +85,7 @@ where
             let told = hint.map_or(backoff, |hint| hint.min(settings.max_retry_after));
             let wait = backoff.max(told);
             // No attempt starts, and no wait ends, at or past the deadline.
-            if Instant::now() + wait < deadline {
+            if ends_in_time(Instant::now(), wait, deadline) {
                 tracing::debug!(%key, attempts, ?wait, "idempotent call: retrying");
                 drop(outcome);
                 sleep(wait).await;
@@ -100,6 +107,21 @@ where
     }
 }
 
+/// When a call started at `now` with `deadline` must end; `None` (no deadline) when that is
+/// past what the clock can represent.
+pub(crate) fn deadline_from(now: Instant, deadline: Duration) -> Option<Instant> {
+    now.checked_add(deadline)
+}
+
+/// Whether a wait of `wait` from `now` ends before `deadline`. A wait past what the clock
+/// can represent ends past any deadline.
+pub(crate) fn ends_in_time(now: Instant, wait: Duration, deadline: Option<Instant>) -> bool {
+    match deadline {
+        None => true,
+        Some(deadline) => now.checked_add(wait).is_some_and(|end| end < deadline),
+    }
+}
+
 /// One attempt, with the body read when the policy classifies by it.
 async fn attempt<T, P>(
     policy: &P,
@@ -115,5 +137,5 @@ where
         return Ok((answer, None));
     }
     let (answer, body) = answer.buffer().await.map_err(Failure::Body)?;
-    Ok((answer, Some(body)))
+    Ok((answer, body))
 }

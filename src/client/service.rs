@@ -8,7 +8,7 @@ use std::{
     task::{Context, Poll},
 };
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{request::Parts, Extensions, HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::BodyExt;
@@ -17,7 +17,7 @@ use tower_service::Service;
 use super::{
     layer::Settings,
     retry::{self, Answer, Transport},
-    BoxError, ClientError, DefaultPolicy, Failure, RetryPolicy,
+    BoxError, ClientError, DefaultPolicy, Failure, RetryPolicy, MAX_INSPECTED_BODY,
 };
 use crate::ResponseBody;
 
@@ -203,12 +203,35 @@ where
         self.body().size_hint().upper()
     }
 
-    async fn buffer(self) -> Result<(Self, Bytes), BoxError> {
+    async fn buffer(self) -> Result<(Self, Option<Bytes>), BoxError> {
         let (parts, body) = self.into_parts();
-        let collected = body.collect().await.map_err(Into::into)?;
-        let trailers = collected.trailers().cloned();
-        let bytes = collected.to_bytes();
+        let mut inner = match body.into_inner() {
+            Ok(inner) => Box::pin(inner),
+            Err(body) => return Ok((Response::from_parts(parts, body), None)),
+        };
+        // Read frame by frame, never more than the limit and one frame: a body may have
+        // said it was shorter than it is.
+        let mut read = BytesMut::new();
+        let mut trailers: Option<HeaderMap> = None;
+        while let Some(frame) = inner.frame().await {
+            let frame = match frame.map_err(Into::into)?.into_data() {
+                Ok(data) => {
+                    read.extend_from_slice(&data);
+                    if read.len() as u64 > MAX_INSPECTED_BODY {
+                        // Not inspected; the caller gets what was read, then the rest.
+                        let body = ResponseBody::spliced(read.freeze(), inner);
+                        return Ok((Response::from_parts(parts, body), None));
+                    }
+                    continue;
+                }
+                Err(frame) => frame,
+            };
+            if let Ok(more) = frame.into_trailers() {
+                trailers.get_or_insert_with(HeaderMap::new).extend(more);
+            }
+        }
+        let bytes = read.freeze();
         let body = ResponseBody::with_trailers(bytes.clone(), trailers);
-        Ok((Response::from_parts(parts, body), bytes))
+        Ok((Response::from_parts(parts, body), Some(bytes)))
     }
 }

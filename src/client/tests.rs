@@ -206,6 +206,98 @@ async fn a_large_409_is_classified_by_retry_after_and_reaches_the_caller_whole()
     assert_eq!(seen.attempts(), 3);
 }
 
+/// A body that says it is 100 bytes long and is `chunks` 1000-byte frames of `text`'s
+/// bytes, repeated as needed.
+struct LyingBody {
+    text: Bytes,
+    chunks: usize,
+    offset: usize,
+}
+
+impl http_body::Body for LyingBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.chunks == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        self.chunks -= 1;
+        let start = self.offset;
+        let end = (start + 1000).min(self.text.len());
+        self.offset = end;
+        let chunk = self.text.slice(start..end);
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(chunk))))
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(100)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_409_body_longer_than_it_said_is_not_inspected_and_reaches_the_caller_whole() {
+    let text = format!(
+        r#"{{"error":"request_in_progress","pad":"{}"}}"#,
+        "x".repeat(8960)
+    );
+    assert_eq!(text.len(), 9000);
+    let text = Bytes::from(text);
+    let seen = Seen::default();
+    let log = seen.clone();
+    let served = text.clone();
+    let server = service_fn(move |_: Request<Full<Bytes>>| {
+        log.0.lock().unwrap().push(None);
+        let body = LyingBody {
+            text: served.clone(),
+            chunks: 9,
+            offset: 0,
+        };
+        let mut response = Response::new(body);
+        *response.status_mut() = StatusCode::CONFLICT;
+        async move { Ok::<_, &'static str>(response) }
+    });
+    let response = layer().layer(server).oneshot(post()).await.unwrap();
+    assert_eq!(
+        seen.attempts(),
+        1,
+        "read no further than the limit: no Retry-After, not retried"
+    );
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(bytes, text);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_409_is_classified_by_its_body_over_retry_after() {
+    // In progress, as the server words it, without Retry-After (an error renderer may
+    // drop it): retried.
+    let (client, seen) = scripted(layer(), |n| match n {
+        0 => answer(409, r#"{"error":"request_in_progress","retry_after":1}"#),
+        _ => answer(201, "{}"),
+    });
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(
+        (response.status(), seen.attempts()),
+        (StatusCode::CREATED, 2)
+    );
+
+    // The key reused for another request, with a Retry-After nonetheless: returned after
+    // one attempt, its body intact.
+    let reused = r#"{"error":"idempotency_key_reused_with_different_params"}"#;
+    let (client, seen) = scripted(layer(), move |_| {
+        with_header(answer(409, reused), "retry-after", "1")
+    });
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(seen.attempts(), 1);
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert_eq!(response.headers()[RETRY_AFTER], "1");
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(bytes, reused.as_bytes());
+}
+
 #[tokio::test(start_paused = true)]
 async fn retry_after_is_waited_in_seconds_and_as_a_date() {
     let (client, seen) = scripted(layer(), |n| match n {
@@ -292,6 +384,58 @@ async fn no_attempt_starts_and_no_wait_ends_past_the_deadline() {
     assert_eq!(seen.attempts(), 1);
     assert_eq!(start.elapsed(), Duration::ZERO);
     assert_eq!(response.status(), StatusCode::CONFLICT);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_longest_deadline_and_retry_after_cap_do_not_overflow() {
+    // A deadline too far for the clock to represent: as good as none.
+    let layer = layer().deadline(Duration::MAX);
+    let (client, seen) = scripted(layer, |n| match n {
+        0 => with_header(answer(503, ""), "retry-after", "1"),
+        _ => answer(201, "{}"),
+    });
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(
+        (response.status(), seen.attempts()),
+        (StatusCode::CREATED, 2)
+    );
+
+    // A Retry-After too long for the clock, uncapped: a wait past the deadline.
+    let layer = self::layer().max_retry_after(Duration::MAX);
+    let (client, seen) = scripted(layer, |_| {
+        with_header(answer(503, ""), "retry-after", "99999999999999999999")
+    });
+    let start = Instant::now();
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!((seen.attempts(), start.elapsed()), (1, Duration::ZERO));
+
+    // Both: each is cut to the longest the setters take; the wait ends at the deadline.
+    let layer = self::layer()
+        .deadline(Duration::MAX)
+        .max_retry_after(Duration::MAX);
+    let (client, seen) = scripted(layer, |_| {
+        with_header(answer(503, ""), "retry-after", "99999999999999999999")
+    });
+    let response = client.oneshot(post()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(seen.attempts(), 1);
+}
+
+#[test]
+fn a_deadline_or_wait_past_what_the_clock_holds_is_no_deadline_or_too_late() {
+    let now = Instant::now();
+    assert_eq!(retry::deadline_from(now, Duration::MAX), None);
+    let deadline = retry::deadline_from(now, Duration::from_secs(1));
+    assert_eq!(deadline, Some(now + Duration::from_secs(1)));
+    assert!(retry::ends_in_time(now, Duration::MAX, None));
+    assert!(!retry::ends_in_time(now, Duration::MAX, deadline));
+    assert!(retry::ends_in_time(
+        now,
+        Duration::from_millis(999),
+        deadline
+    ));
+    assert!(!retry::ends_in_time(now, Duration::from_secs(1), deadline));
 }
 
 #[tokio::test(start_paused = true)]

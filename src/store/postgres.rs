@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use deadpool_postgres::{Manager, Pool, Runtime};
 use http::StatusCode;
+use sha2::{Digest, Sha256};
 use tokio::task::JoinHandle;
 use tokio_postgres::{types::ToSql, NoTls, Row};
 
@@ -27,6 +28,8 @@ const POOL_TIMEOUT: Duration = Duration::from_secs(2);
 const POOL_SIZE: usize = 16;
 /// A claim can lose a race with a row committed after its snapshot; it then reads again.
 const CLAIM_ATTEMPTS: usize = 5;
+/// How long [`PostgresStore::migrate`] waits for a lock it needs before it gives up.
+const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// How many rows one statement of [`PostgresStore::purge_expired`] deletes at most.
 const PURGE_BATCH: i64 = 1000;
 
@@ -111,6 +114,18 @@ pub enum PostgresStoreError {
         "invalid SQL identifier {0:?}: use 1 to 63 of a-z, 0-9 and _, not starting with a digit"
     )]
     InvalidIdentifier(String),
+    /// [`PostgresStore::migrate`] had a change to make, but the table stayed locked (by a
+    /// long transaction) past its lock timeout; it changed nothing.
+    #[error(
+        "migrating {table}: a lock was not granted within the lock timeout (a long transaction \
+         holds the table?); nothing was changed, run it again later: {source}"
+    )]
+    MigrationBlocked {
+        /// The table's qualified name.
+        table: String,
+        /// The database's error.
+        source: tokio_postgres::Error,
+    },
     /// A row holds something this version never writes.
     #[error("unexpected row: {0}")]
     UnexpectedRow(&'static str),
@@ -138,6 +153,12 @@ impl From<deadpool_postgres::PoolError> for Error {
 /// The table's qualified name and the statements on it, built once.
 struct Table {
     name: String,
+    /// Its DDL, and what `migrate` looks for in the catalog.
+    migration: Migration,
+    /// The qualified names of its `expires_at` and `resource_id` indexes.
+    indexes: [String; 2],
+    /// The key of the advisory lock that serializes migrations of this table.
+    migration_lock: i64,
     /// Where its completions and releases are notified.
     channel: String,
     claim: String,
@@ -340,18 +361,31 @@ impl PostgresStore {
     /// The SQL that creates the table and its indexes, for this store's table name, and
     /// adds to a table made by an earlier release the columns and index it lacks.
     pub fn migration_sql(&self) -> String {
-        migration_sql(&self.table.name)
+        self.table.migration.sql()
     }
 
     /// Creates the table and its indexes if they do not exist, and upgrades in place a
     /// table made by an earlier release: the columns it lacks are added (`ADD COLUMN IF
     /// NOT EXISTS`, with no table rewrite: `NULL`, or a constant default), the index on
-    /// `resource_id` built. Idempotent; its statements run in one transaction.
+    /// `resource_id` built. Idempotent; it runs in one transaction.
+    ///
+    /// It looks in the catalog first and changes only what is missing: on a table that is
+    /// up to date it takes no lock on the table at all, so instances can run it at every
+    /// start while the table is in service. Migrations of one table run one at a time
+    /// (a transaction-scoped advisory lock keyed by the table's qualified name), so
+    /// instances starting together on a fresh database do not race to create it. A change
+    /// that is needed waits at most 5 s for its lock (`SET LOCAL lock_timeout`; `ALTER
+    /// TABLE` needs the table to itself, and would otherwise queue behind any open
+    /// transaction that read it, with every request's claim queued behind it in turn):
+    /// past that, `migrate` changes nothing and fails with
+    /// [`PostgresStoreError::MigrationBlocked`]. Run it again when the long transaction is
+    /// gone.
     ///
     /// The index is built with a plain `CREATE INDEX`, which blocks writes to the table
     /// while it reads the table (a transaction cannot build one `CONCURRENTLY`). On a large
-    /// table in service, build it first without blocking, under the same name
-    /// (`<schema>_<table>_resource_id`), and `migrate` then finds it there:
+    /// table in service, build it first without blocking, under the name
+    /// [`migration_sql`](Self::migration_sql) gives it (`<schema>_<table>_resource_id`,
+    /// unless that is longer than 63 bytes), and `migrate` then finds it there:
     ///
     /// ```sql
     /// ALTER TABLE public.idempotency_keys ADD COLUMN IF NOT EXISTS resource_id TEXT;
@@ -360,10 +394,70 @@ impl PostgresStore {
     /// ```
     ///
     /// Migrate before instances of this release use the table: their statements write the
-    /// new columns.
+    /// new columns. During a rolling upgrade, instances of the previous release neither
+    /// reset nor write `resource_id`, `replay_count` and `last_replayed_at`: a key reused
+    /// after its TTL and claimed on an old instance keeps the previous row's
+    /// `resource_id` (and counts). Finish the rollout before relying on these columns.
     pub async fn migrate(&self) -> Result<(), PostgresStoreError> {
-        let client = self.pool.get().await?;
-        client.batch_execute(&self.migration_sql()).await?;
+        let mut client = self.pool.get().await?;
+        let transaction = client.transaction().await?;
+        let blocked = |error: tokio_postgres::Error| {
+            if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+                PostgresStoreError::MigrationBlocked {
+                    table: self.table.name.clone(),
+                    source: error,
+                }
+            } else {
+                error.into()
+            }
+        };
+        let timeout = MIGRATION_LOCK_TIMEOUT.as_millis();
+        transaction
+            .batch_execute(&format!("SET LOCAL lock_timeout = {timeout}"))
+            .await?;
+        transaction
+            .execute(
+                "SELECT pg_advisory_xact_lock($1)",
+                &[&self.table.migration_lock],
+            )
+            .await
+            .map_err(blocked)?;
+        let [expires_at, resource_id] = &self.table.indexes;
+        let found = transaction
+            .query_one(
+                "SELECT to_regclass($1) IS NOT NULL,
+    (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attnum > 0
+        AND NOT attisdropped AND attname::text = ANY($2::text[])),
+    to_regclass($3) IS NOT NULL,
+    to_regclass($4) IS NOT NULL",
+                &[
+                    &self.table.name,
+                    &&ADDED_COLUMNS[..],
+                    expires_at,
+                    resource_id,
+                ],
+            )
+            .await?;
+        let (table, columns, expires_at, resource_id): (bool, i64, bool, bool) =
+            (found.get(0), found.get(1), found.get(2), found.get(3));
+        let migration = &self.table.migration;
+        let mut sql = String::new();
+        if !table {
+            sql.push_str(&migration.create_table);
+        } else if columns < ADDED_COLUMNS.len() as i64 {
+            sql.push_str(&migration.add_columns);
+        }
+        if !expires_at {
+            sql.push_str(&migration.expires_at_index);
+        }
+        if !resource_id {
+            sql.push_str(&migration.resource_id_index);
+        }
+        if !sql.is_empty() {
+            tracing::info!(table = %self.table.name, "migrating the idempotency table");
+            transaction.batch_execute(&sql).await.map_err(blocked)?;
+        }
+        transaction.commit().await?;
         Ok(())
     }
 
@@ -471,10 +565,52 @@ fn validate_identifier(name: &str) -> Result<(), PostgresStoreError> {
     }
 }
 
-fn migration_sql(table: &str) -> String {
-    let index = table.replace('.', "_");
-    format!(
-        "CREATE TABLE IF NOT EXISTS {table} (
+/// The longest identifier PostgreSQL keeps whole, in bytes; it cuts longer ones.
+const MAX_IDENTIFIER: usize = 63;
+
+/// What ends the names of the table's unique constraint and indexes.
+const INDEX_SUFFIXES: [&str; 3] = ["_scope", "_expires_at", "_resource_id"];
+
+/// The names of the unique constraint (`scope`) and the indexes of `schema.table`, each at
+/// most 63 bytes and distinct. They are `<schema>_<table>_<suffix>`, cut at 63 bytes as
+/// PostgreSQL cuts them, while that leaves them distinct (every table made by an earlier
+/// release whose indexes were all created keeps its names); for longer names, the first 42
+/// bytes of `<schema>_<table>`, then 8 hex digits of the SHA-256 of the qualified name,
+/// then the suffix.
+fn index_names(schema: &str, table: &str) -> [String; 3] {
+    let base = format!("{schema}_{table}");
+    // Cut names still differ in the suffix's first letter after the `_`.
+    if base.len() + 2 <= MAX_IDENTIFIER {
+        return INDEX_SUFFIXES.map(|suffix| {
+            let mut name = format!("{base}{suffix}");
+            name.truncate(MAX_IDENTIFIER);
+            name
+        });
+    }
+    let digest = Sha256::digest(format!("{schema}.{table}").as_bytes());
+    let hash: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
+    let longest = INDEX_SUFFIXES.iter().map(|s| s.len()).max().unwrap_or(0);
+    let keep = MAX_IDENTIFIER - 1 - hash.len() - longest;
+    // Identifiers are ASCII: any byte is a character boundary.
+    INDEX_SUFFIXES.map(|suffix| format!("{}_{hash}{suffix}", &base[..keep]))
+}
+
+/// The statements of the migration, each run by [`PostgresStore::migrate`] only when what
+/// it creates is missing.
+struct Migration {
+    create_table: String,
+    add_columns: String,
+    expires_at_index: String,
+    resource_id_index: String,
+}
+
+impl Migration {
+    fn new(schema: &str, table: &str) -> Self {
+        let [scope, expires_at, resource_id] = index_names(schema, table);
+        let table = format!("{schema}.{table}");
+        Self {
+            create_table: format!(
+                "CREATE TABLE IF NOT EXISTS {table} (
     idempotency_key  TEXT        NOT NULL,
     endpoint         TEXT        NOT NULL,
     principal        TEXT        NOT NULL,  -- '' is anonymous
@@ -491,24 +627,59 @@ fn migration_sql(table: &str) -> String {
     resource_id      TEXT,                  -- what the request created (e.g. a payment id)
     replay_count     BIGINT      NOT NULL DEFAULT 0,  -- retries deduplicated (when counted)
     last_replayed_at TIMESTAMPTZ,
-    CONSTRAINT {index}_scope UNIQUE (idempotency_key, endpoint, principal)
+    CONSTRAINT {scope} UNIQUE (idempotency_key, endpoint, principal)
 );
--- A table made before resource_id and replay accounting gains them in place.
+"
+            ),
+            add_columns: format!(
+                "-- A table made before resource_id and replay accounting gains them in place.
 ALTER TABLE {table}
     ADD COLUMN IF NOT EXISTS resource_id      TEXT,
     ADD COLUMN IF NOT EXISTS replay_count     BIGINT NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS last_replayed_at TIMESTAMPTZ;
-CREATE INDEX IF NOT EXISTS {index}_expires_at ON {table} (expires_at);
-CREATE INDEX IF NOT EXISTS {index}_resource_id ON {table} (resource_id)
+"
+            ),
+            expires_at_index: format!(
+                "CREATE INDEX IF NOT EXISTS {expires_at} ON {table} (expires_at);
+"
+            ),
+            resource_id_index: format!(
+                "CREATE INDEX IF NOT EXISTS {resource_id} ON {table} (resource_id)
     WHERE resource_id IS NOT NULL;
 "
-    )
+            ),
+        }
+    }
+
+    /// All of it, for a migration tool.
+    fn sql(&self) -> String {
+        [
+            &self.create_table,
+            &self.add_columns,
+            &self.expires_at_index,
+            &self.resource_id_index,
+        ]
+        .into_iter()
+        .map(String::as_str)
+        .collect()
+    }
 }
+
+/// The columns added since the first release, which `migrate` looks for.
+const ADDED_COLUMNS: [&str; 3] = ["resource_id", "replay_count", "last_replayed_at"];
 
 impl Table {
     fn new(schema: &str, table: &str) -> Self {
         let name = format!("{schema}.{table}");
         let channel = listener::channel(&name);
+        let migration = Migration::new(schema, table);
+        let [_, expires_at, resource_id] = index_names(schema, table);
+        let indexes = [
+            format!("{schema}.{expires_at}"),
+            format!("{schema}.{resource_id}"),
+        ];
+        let digest = Sha256::digest(format!("tower-idempotency migrate {name}").as_bytes());
+        let migration_lock = i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"));
         // Ends a write that returns one row when it applies: that row notifies the channel
         // with the payload in `$n`, committed with the write.
         let notify =
@@ -611,11 +782,17 @@ WHERE {held}"
             purge_keeping_completed: purge(&name, "expires_at <= now() AND status = 'in_progress'"),
             name,
             channel,
+            migration,
+            indexes,
+            migration_lock,
         }
     }
 }
 
-/// A batch of the purge: up to `$1` rows of `table` where `condition` holds.
+/// A batch of the purge: up to `$1` rows of `table` where `condition` holds. Rows are
+/// picked by `ctid` and locked: a row a claim rewrote since (taking the expired key) has a
+/// new version, with another `ctid`, and is not deleted; the condition, checked again,
+/// keeps it so whatever picks the rows.
 fn purge(table: &str, condition: &str) -> String {
     format!(
         "DELETE FROM {table} WHERE ctid = ANY(ARRAY(
@@ -848,6 +1025,39 @@ impl fmt::Debug for PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn index_names_fit_and_stay_distinct() {
+        // Names that fit are today's, unchanged.
+        assert_eq!(
+            index_names("public", "idempotency_keys"),
+            [
+                "public_idempotency_keys_scope",
+                "public_idempotency_keys_expires_at",
+                "public_idempotency_keys_resource_id",
+            ]
+        );
+        // Cut as PostgreSQL cut them, while that leaves them distinct.
+        let (schema, table) = ("s".repeat(30), "t".repeat(21));
+        let names = index_names(&schema, &table);
+        assert_eq!(names[2], format!("{schema}_{table}_resource_i"));
+        let (s41, t31) = ("s".repeat(41), "t".repeat(31));
+        for (schema, table) in [
+            (s41.as_str(), t31.as_str()),
+            (&"s".repeat(63), &"t".repeat(63)),
+            ("s", &"t".repeat(60)),
+        ] {
+            let names = index_names(schema, table);
+            for name in &names {
+                assert!(name.len() <= MAX_IDENTIFIER, "{name}");
+                assert!(validate_identifier(name).is_ok(), "{name}");
+            }
+            assert!(names[0] != names[1] && names[1] != names[2] && names[0] != names[2]);
+        }
+        // Two long names sharing their first 42 bytes differ by their hash.
+        let (a, b) = (index_names(&s41, &t31), index_names(&s41, &"u".repeat(31)));
+        assert_ne!(a, b);
+    }
 
     #[test]
     fn identifiers_are_validated() {

@@ -136,17 +136,29 @@ impl ExtractResourceId for ResourceId {
     }
 }
 
-/// The last segment of a URI reference's path: after the scheme and authority, before the
-/// query and fragment, a trailing `/` ignored.
+/// The last segment of a URI reference's path: after the scheme and authority (of an
+/// absolute URI, or of a network-path reference `//host/...`), before the query and
+/// fragment, a trailing `/` ignored.
 fn last_segment(location: &str) -> Option<&str> {
     let end = location.find(['?', '#']).unwrap_or(location.len());
     let mut path = &location[..end];
-    if let Some(scheme) = path.find("://") {
-        let after = &path[scheme + 3..];
+    let authority = match path.find("://") {
+        Some(colon) if is_scheme(&path[..colon]) => Some(&path[colon + 3..]),
+        _ => path.strip_prefix("//"),
+    };
+    if let Some(after) = authority {
         path = after.find('/').map_or("", |slash| &after[slash..]);
     }
     let segment = path.trim_end_matches('/').rsplit('/').next()?;
     (!segment.is_empty()).then_some(segment)
+}
+
+/// Whether `name` is a URI scheme (RFC 3986 §3.1): a letter, then letters, digits, `+`,
+/// `-` or `.`.
+fn is_scheme(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
 }
 
 /// The extractor a store holds.
@@ -222,6 +234,19 @@ mod tests {
             ("pay_123", Some("pay_123")),
             ("https://api.example.com", None),
             ("https://api.example.com/", None),
+            ("https://api.example.com?next=/v1/payments/pay_1", None),
+            ("https://api.example.com#/v1/payments/pay_1", None),
+            (
+                "https://api.example.com/v1/payments/pay_9?next=/a/b#/c/d",
+                Some("pay_9"),
+            ),
+            ("/v1/payments/pay_123#frag", Some("pay_123")),
+            ("/v1/payments/pay_123?next=/v1/other/x", Some("pay_123")),
+            // A network-path reference: its first segment is the host, not a path.
+            ("//api.example.com", None),
+            ("//api.example.com/", None),
+            ("//api.example.com?x=/y", None),
+            ("//api.example.com/v1/payments/pay_123", Some("pay_123")),
             ("/", None),
             ("?x=1", None),
         ] {
