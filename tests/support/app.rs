@@ -20,7 +20,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyKey, IdempotencyLayer, Scope, Store};
+use tower_idempotency::{Fingerprint, IdempotencyKey, IdempotencyLayer, Scope, Store};
 
 #[derive(Clone)]
 pub struct Handler {
@@ -180,6 +180,22 @@ where
 pub fn scope(key: &str) -> Scope {
     let key = IdempotencyKey::parse(&HeaderValue::from_str(key).unwrap()).unwrap();
     Scope::new(None, "POST /pay".to_owned(), key)
+}
+
+/// Claims `key` through `store` for `lease`, as `post("/pay").key(key)` would, for a holder
+/// that then dies: nobody completes or releases the claim, its lease runs out.
+pub async fn claim_and_crash(store: &dyn Store, key: &str, lease: Duration) {
+    let parts = axum::http::Request::post("/pay")
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    let fingerprint = Fingerprint::of(&parts, &[], b"");
+    let claimed = store.claim(&scope(key), fingerprint, lease).await.unwrap();
+    assert!(
+        matches!(claimed, tower_idempotency::store::Claim::Claimed(_)),
+        "the holder claims a free key: {claimed:?}"
+    );
 }
 
 pub fn post_waiting(key: &str) -> Req {
