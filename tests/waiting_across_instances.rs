@@ -17,7 +17,8 @@ use tower_idempotency::{
     StoredResponse,
 };
 
-use support::app::*;
+use futures_util::StreamExt;
+use support::{app::*, redis_topology::RedisCluster};
 
 /// Two instances of one store on the same records.
 struct Instances {
@@ -38,8 +39,10 @@ enum Held {
 
 /// The Redis servers a store's subscriber may be connected to.
 enum Nodes {
-    /// These servers (one, or every node of a cluster).
+    /// This server.
     Urls(Vec<String>),
+    /// Every node of a cluster, where a key's channel is a shard channel.
+    Shards(Vec<String>),
     /// The primary the Sentinels at these addresses name now.
     Sentinel(Vec<String>),
 }
@@ -546,7 +549,7 @@ async fn redis_cluster() -> Instances {
         support::cluster_store("waiting_across").await,
     );
     let (a, b) = announcing(a, b);
-    let nodes = Nodes::Urls(support::urls_from("REDIS_CLUSTER_URLS"));
+    let nodes = Nodes::Shards(support::urls_from("REDIS_CLUSTER_URLS"));
     let held = Held::Redis(b.clone(), nodes);
     Instances::of(a, b, held)
 }
@@ -581,6 +584,14 @@ impl Instances {
 }
 
 impl Held {
+    /// The Redis channel of `scope`'s key.
+    fn channel(&self, scope: &Scope) -> String {
+        match self {
+            Held::Redis(store, _) => store.redis_key(scope),
+            Held::Postgres(_) => panic!("PostgreSQL has one channel per table"),
+        }
+    }
+
     /// How many keys the store watches now.
     async fn watched(&self) -> usize {
         match self {
@@ -593,17 +604,19 @@ impl Held {
     /// server the store may subscribe on; `None` on PostgreSQL, whose listener listens on
     /// its table's one channel whatever is watched.
     async fn subscribed(&self, scope: &Scope) -> Option<i64> {
-        let Held::Redis(store, nodes) = self else {
+        let Held::Redis(_, nodes) = self else {
             return None;
         };
-        let channel = store.redis_key(scope);
-        let urls = match nodes {
-            Nodes::Urls(urls) => urls.clone(),
-            Nodes::Sentinel(sentinels) => vec![sentinels_primary(sentinels).await],
+        let channel = self.channel(scope);
+        let (urls, counted) = match nodes {
+            Nodes::Urls(urls) => (urls.clone(), "NUMSUB"),
+            Nodes::Shards(urls) => (urls.clone(), "SHARDNUMSUB"),
+            Nodes::Sentinel(sentinels) => (vec![sentinels_primary(sentinels).await], "NUMSUB"),
         };
         let mut count = 0;
         for url in urls {
-            count += subscribers(&mut redis_connection_to(&url).await, &channel).await;
+            let mut connection = redis_connection_to(&url).await;
+            count += subscribers_by(&mut connection, counted, &channel).await;
         }
         Some(count)
     }
@@ -700,8 +713,18 @@ async fn subscribers(
     redis: &mut tower_idempotency::redis::aio::MultiplexedConnection,
     channel: &str,
 ) -> i64 {
+    subscribers_by(redis, "NUMSUB", channel).await
+}
+
+/// How many connections this server counts as subscribed to `channel`: as a channel
+/// (`NUMSUB`) or as a shard channel (`SHARDNUMSUB`).
+async fn subscribers_by(
+    redis: &mut tower_idempotency::redis::aio::MultiplexedConnection,
+    counted: &str,
+    channel: &str,
+) -> i64 {
     let counts: Vec<(String, i64)> = tower_idempotency::redis::cmd("PUBSUB")
-        .arg("NUMSUB")
+        .arg(counted)
         .arg(channel)
         .query_async(redis)
         .await
@@ -742,4 +765,159 @@ async fn redis_without_announcements_hands_out_no_watch() {
 async fn postgres_without_announcements_hands_out_no_watch() {
     let store = support::postgres_store().await;
     assert!(store.watch(&scope("k")).await.unwrap().is_none());
+}
+
+// ---------------------------------------------------------------------------------------
+// Redis Cluster: shard channels, on the master serving each key's slot.
+
+/// In a cluster a key's announcements stay on its shard: the waiter's instance subscribes
+/// to the key's shard channel on the one master serving its slot, and a classic subscriber
+/// to the same channel, on any node, hears nothing (a `PUBLISH` would reach every node);
+/// the waiter on the other instance is woken all the same.
+#[tokio::test]
+async fn redis_cluster_announces_on_the_keys_shard_only() {
+    let instances = redis_cluster().await;
+    let nodes = support::urls_from("REDIS_CLUSTER_URLS");
+    let handler = Handler::default();
+    let (a, b) = apps(&instances, &handler);
+    let original = spawn_send(&a, post_waiting("shard"));
+    until_executing(&handler, 1).await;
+    let waiter = spawn_send(&b, post("/pay").key("shard"));
+    still_waiting(&waiter).await;
+    let channel = instances.held_by_b.channel(&scope("shard"));
+    let mut subscribed_on = Vec::new();
+    for url in &nodes {
+        let mut node = redis_connection_to(url).await;
+        match subscribers_by(&mut node, "SHARDNUMSUB", &channel).await {
+            0 => {}
+            1 => subscribed_on.push(url),
+            more => panic!("{more} shard subscribers on {url}"),
+        }
+    }
+    assert_eq!(
+        subscribed_on.len(),
+        1,
+        "one shard subscription, on one node"
+    );
+    // That node serves the key's slot: it answers for the key, without a redirect.
+    let exists: i64 = tower_idempotency::redis::cmd("EXISTS")
+        .arg(&channel)
+        .query_async(&mut redis_connection_to(subscribed_on[0]).await)
+        .await
+        .expect("the subscribed node serves the key's slot");
+    assert_eq!(exists, 1, "the original's claim is there");
+    let mut classic = Vec::new();
+    for url in &nodes {
+        let client = tower_idempotency::redis::Client::open(url.as_str()).unwrap();
+        let mut pubsub = client.get_async_pubsub().await.unwrap();
+        pubsub.subscribe(&channel).await.unwrap();
+        classic.push(pubsub);
+    }
+    gets_the_replay_once_the_original_answers(&handler, original, waiter).await;
+    for pubsub in &mut classic {
+        let mut messages = pubsub.on_message();
+        let heard = tokio::time::timeout(Duration::from_millis(200), messages.next()).await;
+        assert!(
+            heard.is_err(),
+            "a classic subscriber heard the announcement"
+        );
+    }
+}
+
+/// The master serving a waited-on key dies: the waiter's instance subscribes again on the
+/// replica that takes over, and the completion made there wakes the waiter on the other
+/// instance, long before its lease or its bound would have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_waiters_are_woken_after_their_shards_master_fails_over() {
+    let cluster = blocking(|| RedisCluster::start(3, 1)).await;
+    let open = || async { RedisStore::cluster(cluster.urls()).await.unwrap() };
+    let (a, b) = announcing(
+        open()
+            .await
+            .prefix(support::unique_prefix("shard_failover")),
+        open().await,
+    );
+    let b: Arc<dyn Store> = Arc::new(b);
+    let handler = Handler::default();
+    let long = Duration::from_secs(60);
+    let app = router(&handler, layer(&b).wait_for_original(long));
+    let token = claim_as_post(&a, "failover", long).await;
+    let waiter = spawn_send(&app, post("/pay").key("failover"));
+    still_waiting(&waiter).await;
+    let channel = a.redis_key(&scope("failover"));
+    let master = cluster.master_for_key(&channel);
+    assert_eq!(shard_subscribers(&cluster, master, &channel), 1);
+    let (cluster, promoted) = blocking(move || {
+        let mut cluster = cluster;
+        cluster.wait_replicated(master);
+        cluster.kill(master);
+        let promoted = cluster.wait_for_failover(master);
+        (cluster, promoted)
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while shard_subscribers(&cluster, promoted, &channel) != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never subscribed again on the promoted replica"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!waiter.is_finished(), "still waiting through the failover");
+    // The holder completes on the new master, once its own connection has found it.
+    let scope = scope("failover");
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Default::default(),
+        body: "done".into(),
+        trailers: None,
+    };
+    let fingerprint = support::app::post_fingerprint();
+    loop {
+        match a
+            .complete(&scope, token, fingerprint, &response, long)
+            .await
+        {
+            Ok(completed) => {
+                assert_eq!(completed, Fenced::Applied);
+                break;
+            }
+            Err(error) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "never completed: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    let waiter = tokio::time::timeout(WOKEN_WITHIN, waiter)
+        .await
+        .expect("woken by the completion on the new master")
+        .unwrap();
+    assert!(waiter.replayed());
+    assert_eq!(
+        (waiter.status, &waiter.body[..]),
+        (StatusCode::CREATED, &b"done"[..])
+    );
+    assert_eq!(handler.executions(), 0);
+}
+
+/// How many connections `port` counts as subscribed to the shard channel `channel`.
+fn shard_subscribers(cluster: &RedisCluster, port: u16, channel: &str) -> i64 {
+    let counted = cluster.cli(port, &["PUBSUB", "SHARDNUMSUB", channel]);
+    counted
+        .lines()
+        .nth(1)
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or_else(|| panic!("PUBSUB SHARDNUMSUB on port {port}: {counted}"))
+}
+
+/// Runs blocking code (a topology starting, failing over) off the runtime's workers; a
+/// panic in it fails the test with its own message.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(value) => value,
+        Err(error) => std::panic::resume_unwind(error.into_panic()),
+    }
 }
