@@ -59,7 +59,7 @@ fn cluster_forms_serves_reshards_and_fails_over() {
 
     // Killing the master of `key` hands its slots to its replica, which has the key.
     let owner = cluster.master_for_key(key);
-    wait_replicated(&cluster, owner);
+    cluster.wait_replicated(owner);
     let started = Instant::now();
     cluster.kill(owner);
     let promoted = cluster.wait_for_failover(owner);
@@ -159,21 +159,6 @@ fn crc16(data: &[u8]) -> u16 {
         }
     }
     crc
-}
-
-/// Waits until every replica of a master has acknowledged all its writes, so killing it
-/// loses nothing: `ROLE` lists the master's offset, then each replica's host, port and
-/// offset.
-fn wait_replicated(cluster: &RedisCluster, master: u16) {
-    eventually("the replicas to catch up", || {
-        let role = cluster.cli(master, &["ROLE"]);
-        let lines: Vec<&str> = role.lines().collect();
-        lines.len() >= 5
-            && lines[4..]
-                .iter()
-                .step_by(3)
-                .all(|offset| *offset == lines[1])
-    });
 }
 
 /// Polls `check` until it holds; panics after 10 s.

@@ -7,7 +7,7 @@ mod support;
 use std::{sync::Arc, time::Duration};
 
 use axum::http::StatusCode;
-use tower_idempotency::{Fingerprint, MemoryStore, Store};
+use tower_idempotency::{MemoryStore, Store};
 
 use support::app::*;
 
@@ -106,16 +106,7 @@ async fn after_a_release_one_waiter_executes_and_the_others_get_its_replay(store
 async fn a_waiting_duplicate_executes_when_the_holder_crashed(store: Arc<dyn Store>) {
     let handler = Handler::default();
     let app = router(&handler, waiting_layer(&store));
-    // A holder that claimed the key and died: nobody completes or releases it, its lease
-    // runs out.
-    let parts = axum::http::Request::post("/pay")
-        .body(())
-        .unwrap()
-        .into_parts()
-        .0;
-    let fingerprint = Fingerprint::of(&parts, &[], b"");
-    let lease = Duration::from_millis(400);
-    store.claim(&scope("c"), fingerprint, lease).await.unwrap();
+    claim_and_crash(&*store, "c", Duration::from_millis(400)).await;
     let duplicate = send(&app, post("/pay").key("c")).await;
     assert_eq!(duplicate.status, StatusCode::CREATED);
     assert!(!duplicate.replayed());

@@ -13,10 +13,12 @@ use std::{sync::Arc, time::Duration};
 use axum::http::StatusCode;
 use tower_idempotency::{
     store::{Claim, Fenced, Watch},
-    ClaimToken, Fingerprint, PostgresStore, RedisStore, Scope, Store, StoredResponse,
+    ClaimToken, Fingerprint, IdempotencyLayer, PostgresStore, RedisStore, Scope, Store,
+    StoredResponse,
 };
 
-use support::app::*;
+use futures_util::StreamExt;
+use support::{app::*, redis_topology::RedisCluster};
 
 /// Two instances of one store on the same records.
 struct Instances {
@@ -24,6 +26,25 @@ struct Instances {
     a: Arc<dyn Store>,
     /// Runs the duplicates, and waits.
     b: Arc<dyn Store>,
+    /// What B holds for its waiters, counted.
+    held_by_b: Held,
+}
+
+/// How to count what a store holds for its waiters: the keys it watches and, on Redis, the
+/// connections subscribed to a key's channel.
+enum Held {
+    Postgres(PostgresStore),
+    Redis(RedisStore, Nodes),
+}
+
+/// The Redis servers a store's subscriber may be connected to.
+enum Nodes {
+    /// This server.
+    Urls(Vec<String>),
+    /// Every node of a cluster, where a key's channel is a shard channel.
+    Shards(Vec<String>),
+    /// The primary the Sentinels at these addresses name now.
+    Sentinel(Vec<String>),
 }
 
 /// Runs each listed `async fn case(instances: Instances)` on the instances that `$setup`
@@ -43,21 +64,37 @@ across_instances!(
     postgres: a_duplicate_on_another_instance_gets_the_replay,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
+    a_duplicate_on_another_instance_executes_when_the_holder_crashed,
+    past_its_bound_a_duplicate_on_another_instance_gets_the_conflict,
+    beyond_the_cap_duplicates_on_another_instance_get_the_conflict_at_once,
+    a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
 );
 across_instances!(
     redis: a_duplicate_on_another_instance_gets_the_replay,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
+    a_duplicate_on_another_instance_executes_when_the_holder_crashed,
+    past_its_bound_a_duplicate_on_another_instance_gets_the_conflict,
+    beyond_the_cap_duplicates_on_another_instance_get_the_conflict_at_once,
+    a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
 );
 across_instances!(
     redis_cluster: a_duplicate_on_another_instance_gets_the_replay,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
+    a_duplicate_on_another_instance_executes_when_the_holder_crashed,
+    past_its_bound_a_duplicate_on_another_instance_gets_the_conflict,
+    beyond_the_cap_duplicates_on_another_instance_get_the_conflict_at_once,
+    a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
 );
 across_instances!(
     redis_sentinel: a_duplicate_on_another_instance_gets_the_replay,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
+    a_duplicate_on_another_instance_executes_when_the_holder_crashed,
+    past_its_bound_a_duplicate_on_another_instance_gets_the_conflict,
+    beyond_the_cap_duplicates_on_another_instance_get_the_conflict_at_once,
+    a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
 );
 
 const BOUND: Duration = Duration::from_secs(10);
@@ -71,6 +108,112 @@ const FINGERPRINT: Fingerprint = Fingerprint::from_bytes([7; 32]);
 fn apps(instances: &Instances, handler: &Handler) -> (axum::Router, axum::Router) {
     let app = |store| router(handler, layer(store).wait_for_original(BOUND));
     (app(&instances.a), app(&instances.b))
+}
+
+/// The original's service on instance A, and on instance B the duplicates' service made
+/// by `b_layer` from B's layer.
+fn apps_with(
+    instances: &Instances,
+    handler: &Handler,
+    b_layer: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+) -> (axum::Router, axum::Router) {
+    let a = router(handler, layer(&instances.a).wait_for_original(BOUND));
+    (a, router(handler, b_layer(layer(&instances.b))))
+}
+
+/// A holder on A claims the key and dies: nothing announces the end of its claim, and the
+/// duplicate waiting on B takes the key once the lease has run out (well before its bound)
+/// and executes, once.
+async fn a_duplicate_on_another_instance_executes_when_the_holder_crashed(instances: Instances) {
+    let handler = Handler::default();
+    let (_, b) = apps(&instances, &handler);
+    let lease = Duration::from_secs(1);
+    claim_and_crash(&*instances.a, "crashed", lease).await;
+    let duplicate = spawn_send(&b, post("/pay").key("crashed"));
+    still_waiting(&duplicate).await;
+    assert_eq!(
+        handler.executions(),
+        0,
+        "nothing runs while the lease holds"
+    );
+    let duplicate = tokio::time::timeout(BOUND / 2, duplicate)
+        .await
+        .expect("the lease's end ends the wait, not the bound")
+        .unwrap();
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert!(!duplicate.replayed(), "the duplicate executed");
+    assert_eq!(handler.executions(), 1);
+    // Its record is the key's: the next duplicate, on either instance, gets its replay.
+    let again = send(&b, post("/pay").key("crashed")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, duplicate.body);
+    assert_eq!(handler.executions(), 1);
+}
+
+/// A duplicate on B that waits past its bound gets today's conflict, with when to come
+/// back; the original on A still completes, and B's waiter leaves no watch behind.
+async fn past_its_bound_a_duplicate_on_another_instance_gets_the_conflict(instances: Instances) {
+    let handler = Handler::default();
+    let bound = Duration::from_millis(300);
+    let (a, b) = apps_with(&instances, &handler, |layer| layer.wait_for_original(bound));
+    let original = spawn_send(&a, post_waiting("bound"));
+    until_executing(&handler, 1).await;
+    in_progress(&b, "bound", "answered at its bound").await;
+    eventually_zero(|| instances.held_by_b.watched()).await;
+    handler.gate.add_permits(1);
+    assert_eq!(original.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(handler.executions(), 1);
+}
+
+/// B's layer lets one request wait: the next duplicate on B gets the conflict at once,
+/// whatever A's layer would let wait; the one waiting gets the replay.
+async fn beyond_the_cap_duplicates_on_another_instance_get_the_conflict_at_once(
+    instances: Instances,
+) {
+    let handler = Handler::default();
+    let b_layer = layer(&instances.b).wait_for_original(BOUND).max_waiting(1);
+    let (a, b) = apps_with(&instances, &handler, |_| b_layer.clone());
+    let original = spawn_send(&a, post_waiting("cap"));
+    until_executing(&handler, 1).await;
+    let waiting = spawn_send(&b, post("/pay").key("cap"));
+    still_waiting(&waiting).await;
+    assert_eq!(b_layer.waiting(), 1);
+    in_progress(&b, "cap", "answered without waiting for the original").await;
+    assert!(!waiting.is_finished(), "the one waiting still waits");
+    gets_the_replay_once_the_original_answers(&handler, original, waiting).await;
+    assert_eq!(b_layer.waiting(), 0);
+    assert_eq!(handler.executions(), 1);
+}
+
+/// A waiter on B whose client goes away (its request's future dropped) leaves nothing
+/// behind on B: no place among its waiters, no watch, and on Redis no subscription to the
+/// key's channel. The original on A is untouched, and a later waiter on B is woken by it.
+async fn a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind(instances: Instances) {
+    let handler = Handler::default();
+    let b_layer = layer(&instances.b).wait_for_original(BOUND);
+    let (a, b) = apps_with(&instances, &handler, |_| b_layer.clone());
+    let held = &instances.held_by_b;
+    let scope = scope("gone");
+    let original = spawn_send(&a, post_waiting("gone"));
+    until_executing(&handler, 1).await;
+    let waiter = spawn_send(&b, post("/pay").key("gone"));
+    still_waiting(&waiter).await;
+    assert_eq!(b_layer.waiting(), 1);
+    assert_eq!(held.watched().await, 1, "the waiter watches its key");
+    if let Some(subscribed) = held.subscribed(&scope).await {
+        assert_eq!(subscribed, 1, "B subscribed to the key's channel");
+    }
+    waiter.abort();
+    assert!(waiter.await.unwrap_err().is_cancelled());
+    eventually_zero(|| async { b_layer.waiting() }).await;
+    eventually_zero(|| held.watched()).await;
+    eventually_zero(|| async { held.subscribed(&scope).await.unwrap_or(0) }).await;
+    // B still waits, and is woken, as before.
+    let waiter = spawn_send(&b, post("/pay").key("gone"));
+    still_waiting(&waiter).await;
+    gets_the_replay_once_the_original_answers(&handler, original, waiter).await;
+    assert_eq!(handler.executions(), 1);
+    eventually_zero(|| held.watched()).await;
 }
 
 async fn a_duplicate_on_another_instance_gets_the_replay(instances: Instances) {
@@ -88,10 +231,7 @@ async fn a_duplicate_on_another_instance_gets_the_replay(instances: Instances) {
     let original = original.await.unwrap();
     assert_eq!(original.status, StatusCode::CREATED);
     for duplicate in duplicates {
-        let duplicate = tokio::time::timeout(BOUND / 2, duplicate)
-            .await
-            .expect("woken before the bound")
-            .unwrap();
+        let duplicate = before_the_bound(duplicate).await;
         assert!(duplicate.replayed());
         assert_eq!(
             (duplicate.status, &duplicate.body),
@@ -116,10 +256,7 @@ async fn a_duplicate_on_another_instance_executes_when_the_original_is_released(
         original.await.unwrap().status,
         StatusCode::SERVICE_UNAVAILABLE
     );
-    let duplicate = tokio::time::timeout(BOUND / 2, duplicate)
-        .await
-        .expect("woken before the bound")
-        .unwrap();
+    let duplicate = before_the_bound(duplicate).await;
     assert_eq!(duplicate.status, StatusCode::CREATED);
     assert!(!duplicate.replayed(), "the duplicate executed");
     assert_eq!(handler.executions(), 2);
@@ -141,6 +278,42 @@ async fn a_watch_is_woken_by_the_other_instance(instances: Instances) {
         }
         woken(&mut watch, label).await;
     }
+}
+
+/// Sends a duplicate on `key` to `app`, which answers well before [`BOUND`] (`when`) with
+/// the conflict of a key in progress, and when to come back.
+async fn in_progress(app: &axum::Router, key: &str, when: &str) {
+    let answer = tokio::time::timeout(BOUND / 2, send(app, post("/pay").key(key)))
+        .await
+        .expect(when);
+    assert_eq!(answer.status, StatusCode::CONFLICT);
+    assert_eq!(answer.error(), "request_in_progress");
+    assert!(answer.headers.contains_key("retry-after"));
+}
+
+/// Lets the original (waiting on `handler`'s gate) answer: `waiter` is woken before its
+/// bound, with the original's replay.
+async fn gets_the_replay_once_the_original_answers(
+    handler: &Handler,
+    original: tokio::task::JoinHandle<Answer>,
+    waiter: tokio::task::JoinHandle<Answer>,
+) {
+    handler.gate.add_permits(1);
+    let original = original.await.unwrap();
+    let waiter = before_the_bound(waiter).await;
+    assert!(waiter.replayed());
+    assert_eq!(
+        (waiter.status, &waiter.body),
+        (original.status, &original.body)
+    );
+}
+
+/// The answer of a duplicate, woken before its bound.
+async fn before_the_bound(duplicate: tokio::task::JoinHandle<Answer>) -> Answer {
+    tokio::time::timeout(BOUND / 2, duplicate)
+        .await
+        .expect("woken before the bound")
+        .unwrap()
 }
 
 /// A watch from `store`, which must hand one out.
@@ -192,7 +365,8 @@ async fn not_woken(watch: &mut Watch, what: &str) {
 
 async fn postgres() -> Instances {
     let (a, b) = postgres_instances().await;
-    Instances::of(a, b)
+    let held = Held::Postgres(b.clone());
+    Instances::of(a, b, held)
 }
 
 /// Two stores on one table of their own, each with its pool and its listener.
@@ -364,7 +538,9 @@ async fn redis_instances() -> (RedisStore, RedisStore) {
 
 async fn redis() -> Instances {
     let (a, b) = redis_instances().await;
-    Instances::of(a, b)
+    let nodes = Nodes::Urls(vec![support::redis_url()]);
+    let held = Held::Redis(b.clone(), nodes);
+    Instances::of(a, b, held)
 }
 
 async fn redis_cluster() -> Instances {
@@ -373,7 +549,9 @@ async fn redis_cluster() -> Instances {
         support::cluster_store("waiting_across").await,
     );
     let (a, b) = announcing(a, b);
-    Instances::of(a, b)
+    let nodes = Nodes::Shards(support::urls_from("REDIS_CLUSTER_URLS"));
+    let held = Held::Redis(b.clone(), nodes);
+    Instances::of(a, b, held)
 }
 
 async fn redis_sentinel() -> Instances {
@@ -382,7 +560,9 @@ async fn redis_sentinel() -> Instances {
         support::sentinel_store("waiting_across").await,
     );
     let (a, b) = announcing(a, b);
-    Instances::of(a, b)
+    let nodes = Nodes::Sentinel(support::urls_from("REDIS_SENTINEL_URLS"));
+    let held = Held::Redis(b.clone(), nodes);
+    Instances::of(a, b, held)
 }
 
 /// Two stores as two instances of one service: `b` under `a`'s key prefix, both
@@ -394,12 +574,74 @@ fn announcing(a: RedisStore, b: RedisStore) -> (RedisStore, RedisStore) {
 }
 
 impl Instances {
-    fn of(a: impl Store, b: impl Store) -> Self {
+    fn of(a: impl Store, b: impl Store, held_by_b: Held) -> Self {
         Self {
             a: Arc::new(a),
             b: Arc::new(b),
+            held_by_b,
         }
     }
+}
+
+impl Held {
+    /// The Redis channel of `scope`'s key.
+    fn channel(&self, scope: &Scope) -> String {
+        match self {
+            Held::Redis(store, _) => store.redis_key(scope),
+            Held::Postgres(_) => panic!("PostgreSQL has one channel per table"),
+        }
+    }
+
+    /// How many keys the store watches now.
+    async fn watched(&self) -> usize {
+        match self {
+            Held::Postgres(store) => store.watched(),
+            Held::Redis(store, _) => store.watched().await,
+        }
+    }
+
+    /// How many connections Redis counts as subscribed to `scope`'s channel, over every
+    /// server the store may subscribe on; `None` on PostgreSQL, whose listener listens on
+    /// its table's one channel whatever is watched.
+    async fn subscribed(&self, scope: &Scope) -> Option<i64> {
+        let Held::Redis(_, nodes) = self else {
+            return None;
+        };
+        let channel = self.channel(scope);
+        let (urls, counted) = match nodes {
+            Nodes::Urls(urls) => (urls.clone(), "NUMSUB"),
+            Nodes::Shards(urls) => (urls.clone(), "SHARDNUMSUB"),
+            Nodes::Sentinel(sentinels) => (vec![sentinels_primary(sentinels).await], "NUMSUB"),
+        };
+        let mut count = 0;
+        for url in urls {
+            let mut connection = redis_connection_to(&url).await;
+            count += subscribers_by(&mut connection, counted, &channel).await;
+        }
+        Some(count)
+    }
+}
+
+/// The URL of the primary the first answering Sentinel names.
+async fn sentinels_primary(sentinels: &[String]) -> String {
+    let master = std::env::var("REDIS_SENTINEL_MASTER").expect("REDIS_SENTINEL_MASTER");
+    for sentinel in sentinels {
+        let Ok(client) = tower_idempotency::redis::Client::open(sentinel.as_str()) else {
+            continue;
+        };
+        let Ok(mut connection) = client.get_multiplexed_async_connection().await else {
+            continue;
+        };
+        let named: Result<(String, String), _> = tower_idempotency::redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(&master)
+            .query_async(&mut connection)
+            .await;
+        if let Ok((host, port)) = named {
+            return format!("redis://{host}:{port}/");
+        }
+    }
+    panic!("no Sentinel at {sentinels:?} names {master}");
 }
 
 /// Two instances on one Redis: a duplicate through B waits for the original running
@@ -458,7 +700,11 @@ async fn redis_waiters_share_one_subscription_and_leave_none_behind() {
 }
 
 async fn redis_connection() -> tower_idempotency::redis::aio::MultiplexedConnection {
-    let client = tower_idempotency::redis::Client::open(support::redis_url()).unwrap();
+    redis_connection_to(&support::redis_url()).await
+}
+
+async fn redis_connection_to(url: &str) -> tower_idempotency::redis::aio::MultiplexedConnection {
+    let client = tower_idempotency::redis::Client::open(url).unwrap();
     client.get_multiplexed_async_connection().await.unwrap()
 }
 
@@ -467,8 +713,18 @@ async fn subscribers(
     redis: &mut tower_idempotency::redis::aio::MultiplexedConnection,
     channel: &str,
 ) -> i64 {
+    subscribers_by(redis, "NUMSUB", channel).await
+}
+
+/// How many connections this server counts as subscribed to `channel`: as a channel
+/// (`NUMSUB`) or as a shard channel (`SHARDNUMSUB`).
+async fn subscribers_by(
+    redis: &mut tower_idempotency::redis::aio::MultiplexedConnection,
+    counted: &str,
+    channel: &str,
+) -> i64 {
     let counts: Vec<(String, i64)> = tower_idempotency::redis::cmd("PUBSUB")
-        .arg("NUMSUB")
+        .arg(counted)
         .arg(channel)
         .query_async(redis)
         .await
@@ -509,4 +765,159 @@ async fn redis_without_announcements_hands_out_no_watch() {
 async fn postgres_without_announcements_hands_out_no_watch() {
     let store = support::postgres_store().await;
     assert!(store.watch(&scope("k")).await.unwrap().is_none());
+}
+
+// ---------------------------------------------------------------------------------------
+// Redis Cluster: shard channels, on the master serving each key's slot.
+
+/// In a cluster a key's announcements stay on its shard: the waiter's instance subscribes
+/// to the key's shard channel on the one master serving its slot, and a classic subscriber
+/// to the same channel, on any node, hears nothing (a `PUBLISH` would reach every node);
+/// the waiter on the other instance is woken all the same.
+#[tokio::test]
+async fn redis_cluster_announces_on_the_keys_shard_only() {
+    let instances = redis_cluster().await;
+    let nodes = support::urls_from("REDIS_CLUSTER_URLS");
+    let handler = Handler::default();
+    let (a, b) = apps(&instances, &handler);
+    let original = spawn_send(&a, post_waiting("shard"));
+    until_executing(&handler, 1).await;
+    let waiter = spawn_send(&b, post("/pay").key("shard"));
+    still_waiting(&waiter).await;
+    let channel = instances.held_by_b.channel(&scope("shard"));
+    let mut subscribed_on = Vec::new();
+    for url in &nodes {
+        let mut node = redis_connection_to(url).await;
+        match subscribers_by(&mut node, "SHARDNUMSUB", &channel).await {
+            0 => {}
+            1 => subscribed_on.push(url),
+            more => panic!("{more} shard subscribers on {url}"),
+        }
+    }
+    assert_eq!(
+        subscribed_on.len(),
+        1,
+        "one shard subscription, on one node"
+    );
+    // That node serves the key's slot: it answers for the key, without a redirect.
+    let exists: i64 = tower_idempotency::redis::cmd("EXISTS")
+        .arg(&channel)
+        .query_async(&mut redis_connection_to(subscribed_on[0]).await)
+        .await
+        .expect("the subscribed node serves the key's slot");
+    assert_eq!(exists, 1, "the original's claim is there");
+    let mut classic = Vec::new();
+    for url in &nodes {
+        let client = tower_idempotency::redis::Client::open(url.as_str()).unwrap();
+        let mut pubsub = client.get_async_pubsub().await.unwrap();
+        pubsub.subscribe(&channel).await.unwrap();
+        classic.push(pubsub);
+    }
+    gets_the_replay_once_the_original_answers(&handler, original, waiter).await;
+    for pubsub in &mut classic {
+        let mut messages = pubsub.on_message();
+        let heard = tokio::time::timeout(Duration::from_millis(200), messages.next()).await;
+        assert!(
+            heard.is_err(),
+            "a classic subscriber heard the announcement"
+        );
+    }
+}
+
+/// The master serving a waited-on key dies: the waiter's instance subscribes again on the
+/// replica that takes over, and the completion made there wakes the waiter on the other
+/// instance, long before its lease or its bound would have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_waiters_are_woken_after_their_shards_master_fails_over() {
+    let cluster = blocking(|| RedisCluster::start(3, 1)).await;
+    let open = || async { RedisStore::cluster(cluster.urls()).await.unwrap() };
+    let (a, b) = announcing(
+        open()
+            .await
+            .prefix(support::unique_prefix("shard_failover")),
+        open().await,
+    );
+    let b: Arc<dyn Store> = Arc::new(b);
+    let handler = Handler::default();
+    let long = Duration::from_secs(60);
+    let app = router(&handler, layer(&b).wait_for_original(long));
+    let token = claim_as_post(&a, "failover", long).await;
+    let waiter = spawn_send(&app, post("/pay").key("failover"));
+    still_waiting(&waiter).await;
+    let channel = a.redis_key(&scope("failover"));
+    let master = cluster.master_for_key(&channel);
+    assert_eq!(shard_subscribers(&cluster, master, &channel), 1);
+    let (cluster, promoted) = blocking(move || {
+        let mut cluster = cluster;
+        cluster.wait_replicated(master);
+        cluster.kill(master);
+        let promoted = cluster.wait_for_failover(master);
+        (cluster, promoted)
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while shard_subscribers(&cluster, promoted, &channel) != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never subscribed again on the promoted replica"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!waiter.is_finished(), "still waiting through the failover");
+    // The holder completes on the new master, once its own connection has found it.
+    let scope = scope("failover");
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Default::default(),
+        body: "done".into(),
+        trailers: None,
+    };
+    let fingerprint = support::app::post_fingerprint();
+    loop {
+        match a
+            .complete(&scope, token, fingerprint, &response, long)
+            .await
+        {
+            Ok(completed) => {
+                assert_eq!(completed, Fenced::Applied);
+                break;
+            }
+            Err(error) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "never completed: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    let waiter = tokio::time::timeout(WOKEN_WITHIN, waiter)
+        .await
+        .expect("woken by the completion on the new master")
+        .unwrap();
+    assert!(waiter.replayed());
+    assert_eq!(
+        (waiter.status, &waiter.body[..]),
+        (StatusCode::CREATED, &b"done"[..])
+    );
+    assert_eq!(handler.executions(), 0);
+}
+
+/// How many connections `port` counts as subscribed to the shard channel `channel`.
+fn shard_subscribers(cluster: &RedisCluster, port: u16, channel: &str) -> i64 {
+    let counted = cluster.cli(port, &["PUBSUB", "SHARDNUMSUB", channel]);
+    counted
+        .lines()
+        .nth(1)
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or_else(|| panic!("PUBSUB SHARDNUMSUB on port {port}: {counted}"))
+}
+
+/// Runs blocking code (a topology starting, failing over) off the runtime's workers; a
+/// panic in it fails the test with its own message.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(value) => value,
+        Err(error) => std::panic::resume_unwind(error.into_panic()),
+    }
 }

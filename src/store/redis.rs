@@ -105,8 +105,18 @@ static COMPLETE_ANNOUNCED: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_sc
 static RELEASE: LazyLock<String> = LazyLock::new(|| release_script(""));
 /// [`RELEASE`], announcing the release ([`RedisStore::announce_outcomes`]).
 static RELEASE_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(PUBLISH));
+/// [`COMPLETE_ANNOUNCED`] in a cluster: on the key's shard channel.
+static COMPLETE_SHARD_ANNOUNCED: LazyLock<Lua> =
+    LazyLock::new(|| Lua::new(complete_script(SPUBLISH)));
+/// [`RELEASE_ANNOUNCED`] in a cluster: on the key's shard channel.
+static RELEASE_SHARD_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(SPUBLISH));
 /// Tells the subscribers of the key's own channel that the key changed.
 const PUBLISH: &str = "redis.call('PUBLISH', KEYS[1], '')";
+/// Tells the subscribers of the key's own shard channel (the key's slot: its name is the
+/// key's) that the key changed, in a cluster, where a `PUBLISH` would reach every node.
+/// Called so that a server without shard channels (before Redis 7.0) still writes the
+/// outcome: its waiters cannot subscribe to one either, and read their keys again.
+const SPUBLISH: &str = "redis.pcall('SPUBLISH', KEYS[1], '')";
 
 fn complete_script(announce: &str) -> String {
     format!(
@@ -302,11 +312,7 @@ impl RedisStore {
             .into_iter()
             .map(|url| url.into_connection_info())
             .collect::<redis::RedisResult<_>>()?;
-        // Any node relays what any other publishes: the first seed that answers.
-        let seeds = urls
-            .iter()
-            .map(|info| redis::Client::open(info.clone().set_tcp_settings(nodelay())))
-            .collect::<redis::RedisResult<_>>()?;
+        let seeds = urls.clone();
         let client = ClusterClient::builder(urls)
             .connection_timeout(CONNECTION_TIMEOUT)
             .response_timeout(RESPONSE_TIMEOUT)
@@ -314,7 +320,7 @@ impl RedisStore {
             .build()?;
         Ok(Self::from_cluster_client(client)
             .await?
-            .subscribing(Source::Servers(seeds)))
+            .subscribing(Source::Cluster(seeds)))
     }
 
     /// Connects to a Redis Cluster with a client the application configured (TLS,
@@ -414,6 +420,18 @@ impl RedisStore {
     /// Waiters subscribe on one connection per store, to the keys they wait on and only
     /// while they wait. A store made from a connection ([`RedisStore::new`]) publishes
     /// but cannot subscribe: its own waiters poll.
+    ///
+    /// In a cluster ([`cluster`](Self::cluster), [`from_cluster_client`](Self::from_cluster_client))
+    /// the channel is the key's shard channel (`SPUBLISH`, `SSUBSCRIBE`, Redis 7.0 and
+    /// later), which only the master serving the key's slot and its replicas carry, where
+    /// a `PUBLISH` would go to every node. The store subscribes on that master through a
+    /// cluster connection of its own (RESP3), follows the slot when it moves or fails
+    /// over, and then wakes the key's waiters to read it again. A cluster before Redis
+    /// 7.0 still completes and releases, announcing nothing; its stores cannot subscribe
+    /// either, and their waiters read their keys again as without announcements. Every
+    /// instance on a cluster must announce on shard channels: one that subscribes to
+    /// classic channels (an earlier version of this crate) hears nothing, and its waiters
+    /// wait out the holder's lease.
     ///
     /// # Example
     ///
@@ -758,10 +776,10 @@ impl Store for RedisStore {
         put_completed(&mut value, &fingerprint, response);
         value.put_u64(deadline(ttl));
         let ttl = millis(ttl).to_string();
-        let script = if self.announce {
-            &*COMPLETE_ANNOUNCED
-        } else {
-            &*COMPLETE
+        let script = match (self.announce, &*self.commands) {
+            (false, _) => &*COMPLETE,
+            (true, Commands::Node(_)) => &*COMPLETE_ANNOUNCED,
+            (true, Commands::Cluster(_)) => &*COMPLETE_SHARD_ANNOUNCED,
         };
         let completed = self
             .eval_fenced(script, scope, token, &[&value, ttl.as_bytes()], true)
@@ -774,10 +792,10 @@ impl Store for RedisStore {
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = self.redis_key(scope);
-        let script = if self.announce {
-            &*RELEASE_ANNOUNCED
-        } else {
-            &*RELEASE
+        let script = match (self.announce, &*self.commands) {
+            (false, _) => &*RELEASE,
+            (true, Commands::Node(_)) => &*RELEASE_ANNOUNCED,
+            (true, Commands::Cluster(_)) => &*RELEASE_SHARD_ANNOUNCED,
         };
         let eval = script_command("EVAL", script, &key, &[token.as_bytes()]);
         let released = fenced(self.query(eval, &key, Unawaited::Send, false).await?);

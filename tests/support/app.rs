@@ -20,7 +20,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyKey, IdempotencyLayer, Scope, Store};
+use tower_idempotency::{ClaimToken, Fingerprint, IdempotencyKey, IdempotencyLayer, Scope, Store};
 
 #[derive(Clone)]
 pub struct Handler {
@@ -180,6 +180,35 @@ where
 pub fn scope(key: &str) -> Scope {
     let key = IdempotencyKey::parse(&HeaderValue::from_str(key).unwrap()).unwrap();
     Scope::new(None, "POST /pay".to_owned(), key)
+}
+
+/// Claims `key` through `store` for `lease`, as `post("/pay").key(key)` would, for a holder
+/// that then dies: nobody completes or releases the claim, its lease runs out.
+pub async fn claim_and_crash(store: &dyn Store, key: &str, lease: Duration) {
+    claim_as_post(store, key, lease).await;
+}
+
+/// Claims `key` through `store` for `lease`, as `post("/pay").key(key)` would: its
+/// duplicates wait for it.
+pub async fn claim_as_post(store: &dyn Store, key: &str, lease: Duration) -> ClaimToken {
+    match store
+        .claim(&scope(key), post_fingerprint(), lease)
+        .await
+        .unwrap()
+    {
+        tower_idempotency::store::Claim::Claimed(token) => token,
+        other => panic!("the holder claims a free key: {other:?}"),
+    }
+}
+
+/// The fingerprint of `post("/pay").key(…)` (no body).
+pub fn post_fingerprint() -> Fingerprint {
+    let parts = axum::http::Request::post("/pay")
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    Fingerprint::of(&parts, &[], b"")
 }
 
 pub fn post_waiting(key: &str) -> Req {

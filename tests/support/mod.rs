@@ -100,7 +100,7 @@ pub async fn shared_redis_store(test: &str) -> Arc<dyn Store> {
 }
 
 /// The comma-separated URLs in environment variable `name`, which the test script sets.
-fn urls_from(name: &str) -> Vec<String> {
+pub fn urls_from(name: &str) -> Vec<String> {
     let urls = std::env::var(name).unwrap_or_else(|_| {
         panic!("{name} is not set: run the suite with scripts/test.sh, which starts the topology")
     });

@@ -201,6 +201,22 @@ impl RedisCluster {
         self.wait_settled("the cluster to settle after a restart", |_| Ok(()));
     }
 
+    /// Waits until every replica of `master` has acknowledged all its writes, so killing
+    /// it loses nothing: `ROLE` lists the master's offset, then each replica's host, port
+    /// and offset. Panics after 20 s.
+    pub fn wait_replicated(&self, master: u16) {
+        wait_for(SETTLE_LIMIT, "the replicas to catch up", || {
+            let role = cli(master, &["ROLE"]);
+            let lines: Vec<&str> = role.lines().collect();
+            let caught_up = lines.len() >= 5
+                && lines[4..]
+                    .iter()
+                    .step_by(3)
+                    .all(|offset| *offset == lines[1]);
+            caught_up.then_some(()).ok_or(role)
+        })
+    }
+
     /// The port of the master serving `key`'s slot, as a live node sees the cluster.
     pub fn master_for_key(&self, key: &str) -> u16 {
         let port = self.any_live_port();

@@ -4,13 +4,32 @@
 //! The fenced scripts `PUBLISH` on a channel named as the key they wrote; a store
 //! subscribes, on one connection of its own, to the channels of the keys its requests wait
 //! on, and only while they wait: a completion nobody waits for reaches no client.
+//!
+//! In a cluster the channel is a shard channel (`SPUBLISH`, `SSUBSCRIBE`): a message goes
+//! to the master serving the key's slot (and its replicas) only, not to every node. The
+//! store's cluster connection (RESP3) subscribes on that master, and subscribes again
+//! wherever the slot goes.
 
-use std::{collections::HashMap, fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, PoisonError, Weak,
+    },
+    time::Duration,
+};
 
 use futures_util::StreamExt;
-use redis::{aio::PubSubSink, Client, ErrorKind, RedisResult};
+use redis::{
+    aio::PubSubSink, cluster::ClusterClient, cluster_async::ClusterConnection, Client,
+    ConnectionInfo, ErrorKind, ProtocolVersion, PushInfo, PushKind, RedisResult, Value,
+};
+use tokio::sync::mpsc;
 
-use super::primary::Primary;
+use super::{nodelay, primary::Primary, CONNECTION_TIMEOUT};
 use crate::store::Announcements;
 
 /// The longest a reconnection waits between attempts while keys are watched.
@@ -19,11 +38,111 @@ const RECONNECT_MIN_DELAY: Duration = Duration::from_millis(20);
 
 /// Where the subscriber connects.
 pub(super) enum Source {
-    /// One server, or a cluster's seed nodes (a message published on any node of a
-    /// cluster reaches every node): the first that answers.
+    /// One server: the first that answers.
     Servers(Vec<Client>),
     /// The primary Sentinel names now.
     Sentinel(Arc<Primary>),
+    /// A cluster's seed nodes: each key's shard channel on the master serving its slot.
+    Cluster(Vec<ConnectionInfo>),
+}
+
+/// The command half of the subscribing connection.
+#[derive(Clone)]
+enum Sink {
+    /// `SUBSCRIBE` on one server.
+    Server(PubSubSink),
+    /// `SSUBSCRIBE` through a cluster connection, which routes each to its slot's master;
+    /// `confirming` counts the confirmations its own commands are still owed, so that the
+    /// relay tells them from the cluster connection's own subscribing again.
+    Cluster {
+        connection: ClusterConnection,
+        confirming: Arc<Confirming>,
+    },
+}
+
+/// The shard-channel confirmations that commands sent by this store are owed: the relay
+/// counts one off per confirmation, and a confirmation nobody is owed comes from the
+/// cluster connection itself (it subscribed again after losing a node, or the server
+/// dropped a subscription whose slot moved).
+#[derive(Default)]
+struct Confirming {
+    owed: Mutex<HashMap<(String, bool), usize>>,
+}
+
+impl Confirming {
+    fn expect(&self, channel: &str, subscribed: bool) {
+        *self
+            .lock()
+            .entry((channel.to_owned(), subscribed))
+            .or_default() += 1;
+    }
+
+    /// Counts off one owed confirmation; `false` if none was owed.
+    fn take(&self, channel: &str, subscribed: bool) -> bool {
+        let mut owed = self.lock();
+        let key = (channel.to_owned(), subscribed);
+        match owed.get_mut(&key) {
+            Some(count) => {
+                *count -= 1;
+                if *count == 0 {
+                    owed.remove(&key);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, bool), usize>> {
+        self.owed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Sink {
+    async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
+        self.change(channel, true).await
+    }
+
+    async fn unsubscribe(&mut self, channel: &str) -> RedisResult<()> {
+        self.change(channel, false).await
+    }
+
+    /// Subscribes to `channel`, or unsubscribes from it; returns once Redis confirmed.
+    async fn change(&mut self, channel: &str, subscribe: bool) -> RedisResult<()> {
+        match self {
+            Sink::Server(sink) if subscribe => sink.subscribe(channel).await,
+            Sink::Server(sink) => sink.unsubscribe(channel).await,
+            Sink::Cluster {
+                connection,
+                confirming,
+            } => {
+                confirming.expect(channel, subscribe);
+                let changed = if subscribe {
+                    connection.ssubscribe(channel).await
+                } else {
+                    connection.sunsubscribe(channel).await
+                };
+                if changed.is_err() {
+                    // Whether a confirmation comes is unknown: one that does wakes the
+                    // key's waiters once more, for nothing.
+                    confirming.take(channel, subscribe);
+                }
+                changed
+            }
+        }
+    }
+
+    /// Whether the master serving the key named as `channel` answers (`EXISTS`, routed
+    /// by the key's slot).
+    async fn answers_for(&mut self, channel: &str) -> RedisResult<()> {
+        match self {
+            Sink::Server(_) => Ok(()),
+            Sink::Cluster { connection, .. } => {
+                let exists = redis::cmd("EXISTS").arg(channel).to_owned();
+                exists.query_async::<i64>(connection).await.map(drop)
+            }
+        }
+    }
 }
 
 /// One pub/sub connection per store, shared by every waiter.
@@ -32,13 +151,17 @@ pub(super) struct Subscriber {
     announcements: Announcements,
     timeout: Duration,
     state: Arc<tokio::sync::Mutex<State>>,
+    /// Set while a round of [`subscribe_again`](Self::subscribe_again) waits to start:
+    /// a node lost is reported several times (each reconnection that fails), and one
+    /// round answers them all.
+    again_pending: AtomicBool,
 }
 
 #[derive(Default)]
 struct State {
     /// The live connection's command half; `None` before the first watch and after the
     /// connection is lost.
-    sink: Option<PubSubSink>,
+    sink: Option<Sink>,
     /// The channels subscribed to, and how many watches hold each.
     channels: HashMap<String, usize>,
 }
@@ -56,6 +179,7 @@ impl Subscriber {
             announcements,
             timeout,
             state: Arc::default(),
+            again_pending: AtomicBool::new(false),
         }
     }
 
@@ -101,7 +225,10 @@ impl Subscriber {
 
     /// Opens the connection, subscribes to every channel still watched, and starts
     /// relaying its messages.
-    async fn connect(self: &Arc<Self>, state: &mut State) -> RedisResult<PubSubSink> {
+    async fn connect(self: &Arc<Self>, state: &mut State) -> RedisResult<Sink> {
+        if let Source::Cluster(seeds) = &self.source {
+            return self.connect_cluster(seeds.clone(), state).await;
+        }
         let pubsub = match &self.source {
             Source::Servers(clients) => {
                 let mut last = None;
@@ -120,8 +247,10 @@ impl Subscriber {
                 })?
             }
             Source::Sentinel(primary) => primary.client().await?.get_async_pubsub().await?,
+            Source::Cluster(_) => unreachable!("a cluster connects above"),
         };
-        let (mut sink, mut messages) = pubsub.split();
+        let (sink, mut messages) = pubsub.split();
+        let mut sink = Sink::Server(sink);
         for channel in state.channels.keys() {
             sink.subscribe(channel).await?;
         }
@@ -139,6 +268,82 @@ impl Subscriber {
             }
         });
         Ok(sink)
+    }
+
+    /// Opens a cluster connection whose node connections hand their pushes to a relay,
+    /// subscribes to every channel still watched, and starts relaying.
+    async fn connect_cluster(
+        self: &Arc<Self>,
+        seeds: Vec<ConnectionInfo>,
+        state: &mut State,
+    ) -> RedisResult<Sink> {
+        let (pushes, received) = mpsc::unbounded_channel::<PushInfo>();
+        let client = ClusterClient::builder(seeds)
+            .connection_timeout(CONNECTION_TIMEOUT)
+            .response_timeout(self.timeout)
+            .tcp_settings(nodelay())
+            .use_protocol(ProtocolVersion::RESP3)
+            .push_sender(pushes)
+            .build()?;
+        let confirming = Arc::new(Confirming::default());
+        let mut sink = Sink::Cluster {
+            connection: client.get_async_connection().await?,
+            confirming: Arc::clone(&confirming),
+        };
+        for channel in state.channels.keys() {
+            sink.subscribe(channel).await?;
+        }
+        state.sink = Some(sink.clone());
+        tokio::spawn(relay_shard_pushes(
+            Arc::downgrade(self),
+            received,
+            confirming,
+        ));
+        Ok(sink)
+    }
+
+    /// After the cluster connection lost a node or a subscription: subscribes again to
+    /// every channel still watched (each goes to its slot's master now, found again if the
+    /// old one is gone), then wakes its waiters, who read their keys again (what was
+    /// published meanwhile is lost). Woken only once the master serving the key answers
+    /// (a replica may confirm a shard subscription before it is promoted): their reads
+    /// would fail before. Until then, waiters fall back on their leases.
+    fn subscribe_again(self: Arc<Self>) {
+        if self.again_pending.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tokio::spawn(async move {
+            let mut delay = RECONNECT_MIN_DELAY;
+            loop {
+                let state = self.state.lock().await;
+                // What is reported from now on may need another round.
+                self.again_pending.store(false, Ordering::Release);
+                let Some(mut sink) = state.sink.clone() else {
+                    // Connecting again subscribes to every channel, and wakes its waiters.
+                    return;
+                };
+                let channels: Vec<String> = state.channels.keys().cloned().collect();
+                let mut failed = false;
+                for channel in &channels {
+                    let again = async {
+                        sink.subscribe(channel).await?;
+                        sink.answers_for(channel).await
+                    };
+                    if matches!(tokio::time::timeout(self.timeout, again).await, Ok(Ok(()))) {
+                        self.announcements.announce(channel);
+                    } else {
+                        failed = true;
+                    }
+                }
+                if !failed {
+                    return;
+                }
+                drop(state);
+                tracing::warn!("could not subscribe again to Redis announcements: waiters fall back on their leases");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(RECONNECT_MAX_DELAY);
+            }
+        });
     }
 
     /// Boxed, and `Send` said outright: it runs in the task that `connect` starts, and
@@ -198,6 +403,61 @@ impl Subscriber {
     /// How many channels are subscribed to now.
     pub(super) async fn channels(&self) -> usize {
         self.state.lock().await.channels.len()
+    }
+}
+
+/// Relays a cluster connection's pushes: each shard message wakes its key's waiters; a
+/// subscription the connection made again, or the server dropped, may have missed
+/// messages, and wakes them too; a lost node's subscriptions are made again.
+async fn relay_shard_pushes(
+    subscriber: Weak<Subscriber>,
+    mut pushes: mpsc::UnboundedReceiver<PushInfo>,
+    confirming: Arc<Confirming>,
+) {
+    while let Some(push) = pushes.recv().await {
+        let Some(subscriber) = subscriber.upgrade() else {
+            return;
+        };
+        let announcements = subscriber.announcements();
+        let channel = push.data.first().and_then(channel_name);
+        match (push.kind, channel) {
+            (PushKind::SMessage, Some(channel)) => announcements.announce(&channel),
+            // Not asked for: the cluster connection subscribed again after losing a node,
+            // or the server dropped the subscription (its slot left the node). Either way
+            // messages may have been lost: subscribed again where the slot is now.
+            (PushKind::SSubscribe, Some(channel)) if !confirming.take(&channel, true) => {
+                subscriber.subscribe_again();
+            }
+            (PushKind::SUnsubscribe, Some(channel)) if !confirming.take(&channel, false) => {
+                subscriber.subscribe_again();
+            }
+            (PushKind::Disconnection, _) => {
+                subscriber.subscribe_again();
+            }
+            _ => {}
+        }
+    }
+    // The cluster connection was let go (a subscription failed): its subscriptions went
+    // with it. Connect again, unless a watch already did.
+    if let Some(subscriber) = subscriber.upgrade() {
+        let state = subscriber.state.lock().await;
+        if state.sink.is_none() {
+            drop(state);
+            subscriber.reconnect().await;
+        } else {
+            for channel in state.channels.keys() {
+                subscriber.announcements.announce(channel);
+            }
+        }
+    }
+}
+
+/// A push's channel, as the board names keys.
+fn channel_name(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        Value::SimpleString(name) => Some(name.clone()),
+        _ => None,
     }
 }
 
