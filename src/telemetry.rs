@@ -219,12 +219,15 @@ impl Meters {
         if !span.is_disabled() {
             span.record("outcome", outcome.label());
         }
-        let outcome = outcome.label();
         match outcome {
-            "mismatch" | "key_missing" | "invalid_key" | "body_too_large" | "invalid_body" => {
-                tracing::info!(outcome, "idempotency: request refused")
+            Outcome::Mismatch
+            | Outcome::KeyMissing
+            | Outcome::InvalidKey
+            | Outcome::BodyTooLarge
+            | Outcome::InvalidBody => {
+                tracing::info!(outcome = outcome.label(), "idempotency: request refused")
             }
-            _ => tracing::debug!(outcome, "idempotency: request answered"),
+            _ => tracing::debug!(outcome = outcome.label(), "idempotency: request answered"),
         }
     }
 

@@ -311,16 +311,7 @@ async fn every_rejection_over_http(profile: Profile) {
     assert_rejection(&reply, profile, Kind::InvalidBody);
 
     // A body over the default limit.
-    let padding = "x".repeat(DEFAULT_LIMIT as usize);
-    let oversized = json!({ "amount": 100, "currency": "usd", "padding": padding });
-    let reply = api
-        .post("/v1/payments")
-        .key(&fresh_key())
-        .user("alice")
-        .json(&oversized)
-        .closing()
-        .send()
-        .await;
+    let reply = api.pay_oversized("alice", DEFAULT_LIMIT as usize).await;
     assert_rejection(
         &reply,
         profile,

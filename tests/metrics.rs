@@ -327,16 +327,7 @@ async fn every_outcome_on_the_memory_store_is_counted_once() {
     missing.assert_error(StatusCode::BAD_REQUEST, "idempotency_key_required");
     let invalid = api.pay(&"k".repeat(300), "alice", &charge(100)).await;
     invalid.assert_error(StatusCode::BAD_REQUEST, "invalid_idempotency_key");
-    let padding = "x".repeat(DEFAULT_LIMIT);
-    let oversized = json!({ "amount": 100, "currency": "usd", "padding": padding });
-    let too_large = api
-        .post("/v1/payments")
-        .key(&fresh_key())
-        .user("alice")
-        .json(&oversized)
-        .closing()
-        .send()
-        .await;
+    let too_large = api.pay_oversized("alice", DEFAULT_LIMIT).await;
     assert_eq!(
         too_large.status,
         StatusCode::PAYLOAD_TOO_LARGE,

@@ -80,6 +80,21 @@ impl Api {
             .await
     }
 
+    /// `POST /v1/payments` with a fresh key, as `user`, whose body is over the layer's
+    /// default limit of `limit` bytes; the connection closes after it (the server answers
+    /// before reading the rest).
+    pub async fn pay_oversized(&self, user: &str, limit: usize) -> Reply {
+        let padding = "x".repeat(limit);
+        let oversized = serde_json::json!({ "amount": 100, "currency": "usd", "padding": padding });
+        self.post("/v1/payments")
+            .key(&fresh_key())
+            .user(user)
+            .json(&oversized)
+            .closing()
+            .send()
+            .await
+    }
+
     /// [`Api::pay`] in a task of its own.
     pub fn pay_in_background(&self, key: &str, user: &str, charge: &Value) -> JoinHandle<Reply> {
         let (api, key, user, charge) = (
