@@ -14,7 +14,7 @@ use std::{
 use tokio::sync::Notify;
 
 use super::{Claim, Error, Result};
-use crate::Fingerprint;
+use crate::{ClaimToken, Fingerprint};
 
 /// An in-process board on which a store announces that a key's record changed (completed
 /// or released), and from which waiters take a [`Watch`] on one key. A store with
@@ -41,6 +41,8 @@ struct Board {
 #[derive(Default)]
 struct Slot {
     changes: AtomicU64,
+    /// The claim whose end was announced last: heard again, it is no change.
+    last_ended: Mutex<Option<ClaimToken>>,
     announced: Notify,
     /// The last shared read of the key: the waiters woken by one announcement read the
     /// key once between them.
@@ -102,14 +104,54 @@ impl Announcements {
         if !self.anyone_watching() {
             return;
         }
-        let keys = self.lock();
-        if let Some(slot) = keys.get(key) {
-            slot.changes.fetch_add(1, Ordering::AcqRel);
-            // One watch wakes, and passes the change on to the others: at once from
-            // `changed`, or from `read_shared` once it has read the key, so that waiters
-            // woken for a read are woken once, with its finding, not twice.
-            slot.announced.notify_one();
+        if let Some(slot) = self.lock().get(key) {
+            slot.changed();
         }
+    }
+
+    /// Announces that the claim `token` held on `key` ended: its record was completed or
+    /// released. The end of one claim is announced once however often it is heard, as by
+    /// a store that announces its own writes at once and hears them again from its
+    /// notifications: each change heard twice would make the waiters read the key twice.
+    pub fn announce_end(&self, key: &str, token: ClaimToken) {
+        if !self.anyone_watching() {
+            return;
+        }
+        if let Some(slot) = self.lock().get(key) {
+            if slot.first_heard(token) {
+                slot.changed();
+            }
+        }
+    }
+
+    /// Announces that the claim `token` held on `key` ended with its record completed, as
+    /// `completed` says (a [`Claim::Completed`], made only if anybody watches the key): the
+    /// waiters take it for what a read of the key would find, all woken at once, and none
+    /// reads the key. For a store's own completions, whose record it holds; heard again
+    /// (from its notifications), the end of the claim is no change.
+    pub fn announce_completed(
+        &self,
+        key: &str,
+        token: ClaimToken,
+        completed: impl FnOnce() -> Claim,
+    ) {
+        if !self.anyone_watching() {
+            return;
+        }
+        let keys = self.lock();
+        let Some(slot) = keys.get(key).filter(|slot| slot.first_heard(token)) else {
+            return;
+        };
+        // Announcements are made under the board's lock: this is the count the change makes.
+        let changes = slot.changes.load(Ordering::Acquire) + 1;
+        let read = SharedRead {
+            changes,
+            found: tokio::sync::OnceCell::new_with(Some(completed())),
+        };
+        *lock(&slot.last_read) = Some(Arc::new(read));
+        // Counted once the finding is in place: a waiter that sees the change finds it.
+        slot.changes.store(changes, Ordering::Release);
+        slot.announced.notify_waiters();
     }
 
     /// Whether any key is watched now: one atomic read, for a store to skip the work of
@@ -130,6 +172,21 @@ impl Announcements {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Slot>>> {
         lock(&self.board.keys)
+    }
+}
+
+impl Slot {
+    /// Whether the end of the claim `token` is heard here for the first time.
+    fn first_heard(&self, token: ClaimToken) -> bool {
+        lock(&self.last_ended).replace(token) != Some(token)
+    }
+
+    fn changed(&self) {
+        self.changes.fetch_add(1, Ordering::AcqRel);
+        // One watch wakes, and passes the change on to the others: at once from
+        // `changed`, or from `read_shared` once it has read the key, so that waiters woken
+        // for a read are woken once, with its finding, not twice.
+        self.announced.notify_one();
     }
 }
 
@@ -299,6 +356,9 @@ impl fmt::Debug for Watch {
 mod tests {
     use super::*;
 
+    /// A read of the key, for `read_shared`.
+    type Read = std::pin::Pin<Box<dyn Future<Output = Result<Claim>> + Send>>;
+
     #[tokio::test]
     async fn a_watch_sees_what_was_announced_after_it_was_made() {
         let board = Announcements::new();
@@ -350,10 +410,7 @@ mod tests {
         read: R,
     ) -> Vec<tokio::task::JoinHandle<Result<Claim>>>
     where
-        R: Fn() -> std::pin::Pin<Box<dyn Future<Output = Result<Claim>> + Send>>
-            + Clone
-            + Send
-            + 'static,
+        R: Fn() -> Read + Clone + Send + 'static,
     {
         let tasks = (0..count)
             .map(|_| {
@@ -386,21 +443,22 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn one_announcement_is_read_once_for_every_waiter() {
-        let board = Announcements::new();
+    /// A read that finds the key completed after `taking`, and the count of its calls.
+    fn counted_read(taking: Duration) -> (Arc<AtomicUsize>, impl Fn() -> Read + Clone) {
         let reads = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&reads);
         let read = move || {
-            let reads = Arc::clone(&counted);
+            counted.fetch_add(1, Ordering::SeqCst);
             Box::pin(async move {
-                reads.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                tokio::time::sleep(taking).await;
                 Ok(completed())
-            }) as std::pin::Pin<Box<dyn Future<Output = Result<Claim>> + Send>>
+            }) as Read
         };
-        let waiters = waiters_reading(&board, 100, read).await;
-        board.announce("k");
+        (reads, read)
+    }
+
+    /// Every waiter answers soon, with the completed record.
+    async fn all_find_it_completed(waiters: Vec<tokio::task::JoinHandle<Result<Claim>>>) {
         for waiter in waiters {
             let found = tokio::time::timeout(Duration::from_secs(1), waiter)
                 .await
@@ -408,7 +466,64 @@ mod tests {
                 .unwrap();
             assert_eq!(found.unwrap(), completed());
         }
+    }
+
+    #[tokio::test]
+    async fn one_announcement_is_read_once_for_every_waiter() {
+        let board = Announcements::new();
+        let (reads, read) = counted_read(Duration::from_millis(10));
+        let waiters = waiters_reading(&board, 100, read).await;
+        board.announce("k");
+        all_find_it_completed(waiters).await;
         assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn the_end_of_a_claim_heard_twice_is_read_once() {
+        let board = Announcements::new();
+        let (reads, read) = counted_read(Duration::from_millis(20));
+        let waiters = waiters_reading(&board, 100, read).await;
+        let token = ClaimToken::unique();
+        board.announce_end("k", token);
+        // Heard again while the first read runs, as a store hears its own write relayed.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        board.announce_end("k", token);
+        all_find_it_completed(waiters).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_completion_announced_with_its_record_is_read_by_nobody() {
+        let board = Announcements::new();
+        let (reads, read) = counted_read(Duration::ZERO);
+        let waiters = waiters_reading(&board, 100, read).await;
+        let mut watch = board.watch("k");
+        let token = ClaimToken::unique();
+        board.announce_completed("k", token, completed);
+        all_find_it_completed(waiters).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 0);
+        let wait = Duration::from_millis(20);
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
+        // Heard again from the store's notifications: no change.
+        board.announce_end("k", token);
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn the_ends_of_two_claims_are_two_changes() {
+        let board = Announcements::new();
+        let mut watch = board.watch("k");
+        let (first, second) = (ClaimToken::unique(), ClaimToken::unique());
+        let wait = Duration::from_millis(20);
+        board.announce_end("k", first);
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
+        board.announce_end("k", first);
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_err());
+        board.announce_end("k", second);
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
+        // An announcement without a claim is always a change.
+        board.announce("k");
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
     }
 
     #[tokio::test]
@@ -424,7 +539,7 @@ mod tests {
                     std::future::pending::<()>().await;
                 }
                 Ok(completed())
-            }) as std::pin::Pin<Box<dyn Future<Output = Result<Claim>> + Send>>
+            }) as Read
         };
         let mut waiters = waiters_reading(&board, 10, read).await;
         board.announce("k");
@@ -435,13 +550,7 @@ mod tests {
         let reader = waiters.remove(reader.expect("the reader still reads"));
         assert!(waiters.iter().all(|waiter| !waiter.is_finished()));
         reader.abort();
-        for waiter in waiters {
-            let found = tokio::time::timeout(Duration::from_secs(1), waiter)
-                .await
-                .expect("woken after the reader went away")
-                .unwrap();
-            assert_eq!(found.unwrap(), completed());
-        }
+        all_find_it_completed(waiters).await;
         assert_eq!(reads.load(Ordering::SeqCst), 2);
     }
 }

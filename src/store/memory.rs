@@ -236,14 +236,21 @@ impl Store for MemoryStore {
         let now = Instant::now();
         match shard.records.get_mut(key) {
             Some(entry) if entry.is_held_by(token, now) => {
-                let response = response.clone();
                 entry.record = Record::Completed {
                     fingerprint,
-                    response,
+                    response: response.clone(),
                 };
                 entry.expires_at = now + ttl;
                 drop(shard);
-                self.inner.announcements.announce(scope.storage_key());
+                let completed = || Claim::Completed {
+                    fingerprint,
+                    response: response.clone(),
+                    expires_in: Some(ttl),
+                };
+                let key = scope.storage_key();
+                self.inner
+                    .announcements
+                    .announce_completed(key, token, completed);
                 Ok(Fenced::Applied)
             }
             Some(entry) if entry.is_completed_by(token, now) => Ok(Fenced::Applied),
@@ -258,7 +265,8 @@ impl Store for MemoryStore {
             Some(entry) if entry.is_held_by(token, Instant::now()) => {
                 shard.records.remove(key);
                 drop(shard);
-                self.inner.announcements.announce(scope.storage_key());
+                let key = scope.storage_key();
+                self.inner.announcements.announce_end(key, token);
                 Ok(Fenced::Applied)
             }
             _ => Ok(Fenced::Lost),

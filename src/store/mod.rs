@@ -310,6 +310,9 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// again every 20 ms, doubling up to 200 ms, until its bound. A store that announces
     /// keeps an [`Announcements`] board, announces on it each completion and release it
     /// applies (and each one its backend reports from elsewhere), and returns its watches.
+    /// Naming the claim that ended ([`Announcements::announce_end`]) lets one heard twice
+    /// (applied here, then reported back) count once; announcing its own completions with
+    /// the record ([`Announcements::announce_completed`]) spares its waiters a read.
     async fn watch(&self, _scope: &Scope) -> Result<Option<Watch>> {
         Ok(None)
     }

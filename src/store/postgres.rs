@@ -514,7 +514,8 @@ impl PostgresStore {
     /// The channel on which completions and releases of this table's keys are notified
     /// (`idempotency_` and a digest of the table's qualified name, the same in every
     /// instance), each with the hex SHA-256 of the scope's
-    /// [`storage_key`](Scope::storage_key) as its payload.
+    /// [`storage_key`](Scope::storage_key) as its payload, followed by the hex of the
+    /// token of the claim that ended.
     pub fn notification_channel(&self) -> &str {
         self.listener.channel()
     }
@@ -525,6 +526,14 @@ impl PostgresStore {
         self.listener.watched()
     }
 
+    /// What completing or releasing `key` (a payload) with `token` notifies, if anything.
+    fn notification(&self, key: &str, token: ClaimToken) -> String {
+        match self.announce {
+            true => listener::end_of(key, token),
+            false => String::new(),
+        }
+    }
+
     async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
         let client = self.pool.get().await?;
         let statement = client.prepare_cached(sql).await?;
@@ -532,22 +541,12 @@ impl PostgresStore {
     }
 
     /// Runs a fenced write that notifies the table's channel when it applies (it returns a
-    /// row then), and announces it to this process's waiters on `key` at once.
-    async fn notifying(
-        &self,
-        sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-        key: &str,
-    ) -> Result<Fenced> {
+    /// row then).
+    async fn notifying(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Fenced> {
         let client = self.pool.get().await?;
         let statement = client.prepare_cached(sql).await?;
         let rows = client.query(&statement, params).await?;
-        drop(client);
-        let fenced = fenced(rows.len() as u64);
-        if fenced == Fenced::Applied {
-            self.listener.announce(key);
-        }
-        Ok(fenced)
+        Ok(fenced(rows.len() as u64))
     }
 }
 
@@ -948,6 +947,7 @@ impl Store for PostgresStore {
         }
         let status = response.status.as_u16() as i16;
         let key = listener::payload(scope);
+        let notification = self.notification(&key, token);
         let resource_id = self.resource_id.extract(response);
         let params: [&(dyn ToSql + Sync); 11] = [
             &scope.key().as_str(),
@@ -959,7 +959,7 @@ impl Store for PostgresStore {
             &headers.as_ref(),
             &response.body.as_ref(),
             &millis(ttl),
-            &key.as_str(),
+            &notification.as_str(),
             &resource_id,
         ];
         let sql = if self.announce {
@@ -967,24 +967,39 @@ impl Store for PostgresStore {
         } else {
             &self.table.complete
         };
-        self.notifying(sql, &params, &key).await
+        let completed = self.notifying(sql, &params).await?;
+        if completed == Fenced::Applied {
+            // This process's waiters take the record as written, and none reads it.
+            let record = || Claim::Completed {
+                fingerprint,
+                response: response.clone(),
+                expires_in: Some(ttl),
+            };
+            self.listener.announce_completed(&key, token, record);
+        }
+        Ok(completed)
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = listener::payload(scope);
+        let notification = self.notification(&key, token);
         let params: [&(dyn ToSql + Sync); 5] = [
             &scope.key().as_str(),
             &scope.endpoint(),
             &principal(scope),
             &token.as_bytes().as_slice(),
-            &key.as_str(),
+            &notification.as_str(),
         ];
         let sql = if self.announce {
             &self.table.release_announced
         } else {
             &self.table.release
         };
-        self.notifying(sql, &params, &key).await
+        let released = self.notifying(sql, &params).await?;
+        if released == Fenced::Applied {
+            self.listener.announce_end(&key, token);
+        }
+        Ok(released)
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {

@@ -110,13 +110,15 @@ static COMPLETE_SHARD_ANNOUNCED: LazyLock<Lua> =
     LazyLock::new(|| Lua::new(complete_script(SPUBLISH)));
 /// [`RELEASE_ANNOUNCED`] in a cluster: on the key's shard channel.
 static RELEASE_SHARD_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(SPUBLISH));
-/// Tells the subscribers of the key's own channel that the key changed.
-const PUBLISH: &str = "redis.call('PUBLISH', KEYS[1], '')";
+/// Tells the subscribers of the key's own channel that the claim `ARGV[1]` (its token)
+/// ended: named, so that an instance that announced its own write hears it once.
+const PUBLISH: &str = "redis.call('PUBLISH', KEYS[1], ARGV[1])";
 /// Tells the subscribers of the key's own shard channel (the key's slot: its name is the
-/// key's) that the key changed, in a cluster, where a `PUBLISH` would reach every node.
+/// key's) that the claim `ARGV[1]` ended, in a cluster, where a `PUBLISH` would reach every
+/// node.
 /// Called so that a server without shard channels (before Redis 7.0) still writes the
 /// outcome: its waiters cannot subscribe to one either, and read their keys again.
-const SPUBLISH: &str = "redis.pcall('SPUBLISH', KEYS[1], '')";
+const SPUBLISH: &str = "redis.pcall('SPUBLISH', KEYS[1], ARGV[1])";
 
 fn complete_script(announce: &str) -> String {
     format!(
@@ -598,14 +600,32 @@ impl RedisStore {
         Ok(fenced(applied))
     }
 
-    /// Wakes this process's waiters on `key` at once (other instances hear of it through
-    /// Redis): one atomic read when nobody waits.
-    fn announce(&self, scope: &Scope) {
-        if let Some(subscriber) = &self.subscriber {
-            if subscriber.announcements().anyone_watching() {
-                subscriber.announcements().announce(&self.redis_key(scope));
-            }
+    /// Wakes this process's waiters on `scope` at once, now that the claim `token` ended
+    /// (other instances hear of it through Redis, and this one again, once): one atomic
+    /// read when nobody waits.
+    fn announce_end(&self, scope: &Scope, token: ClaimToken) {
+        if let Some(announcements) = self.watched_announcements() {
+            announcements.announce_end(&self.redis_key(scope), token);
         }
+    }
+
+    /// [`announce_end`](Self::announce_end) for a completion: this process's waiters take
+    /// `completed` for the record, and none reads it.
+    fn announce_completed(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        completed: impl FnOnce() -> Claim,
+    ) {
+        if let Some(announcements) = self.watched_announcements() {
+            announcements.announce_completed(&self.redis_key(scope), token, completed);
+        }
+    }
+
+    /// This store's announcements, if anybody watches a key on them.
+    fn watched_announcements(&self) -> Option<&Announcements> {
+        let subscriber = self.subscriber.as_ref()?;
+        Some(subscriber.announcements()).filter(|board| board.anyone_watching())
     }
 
     /// How many keys this store's requests wait on now, each subscribed to once however
@@ -775,6 +795,7 @@ impl Store for RedisStore {
         value.put_u8(WITH_EXPIRY);
         put_completed(&mut value, &fingerprint, response);
         value.put_u64(deadline(ttl));
+        let ttl_given = ttl;
         let ttl = millis(ttl).to_string();
         let script = match (self.announce, &*self.commands) {
             (false, _) => &*COMPLETE,
@@ -785,7 +806,11 @@ impl Store for RedisStore {
             .eval_fenced(script, scope, token, &[&value, ttl.as_bytes()], true)
             .await?;
         if completed == Fenced::Applied {
-            self.announce(scope);
+            self.announce_completed(scope, token, || Claim::Completed {
+                fingerprint,
+                response: response.clone(),
+                expires_in: Some(ttl_given),
+            });
         }
         Ok(completed)
     }
@@ -800,7 +825,7 @@ impl Store for RedisStore {
         let eval = script_command("EVAL", script, &key, &[token.as_bytes()]);
         let released = fenced(self.query(eval, &key, Unawaited::Send, false).await?);
         if released == Fenced::Applied {
-            self.announce(scope);
+            self.announce_end(scope, token);
         }
         Ok(released)
     }

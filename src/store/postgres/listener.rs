@@ -2,8 +2,9 @@
 //! keeps one connection of its own that `LISTEN`s on its table's channel.
 //!
 //! The statements that complete and release a key notify the table's channel in the same
-//! statement, with the key's [`payload`] (so a notification goes out exactly when the write
-//! is committed). The listener opens its connection at the first watch, confirms `LISTEN`
+//! statement, with the key's [`payload`] and the ended claim's token ([`end_of`]), so a
+//! notification goes out exactly when the write is committed, and the store that made it
+//! and announced it at once hears it once. The listener opens its connection at the first watch, confirms `LISTEN`
 //! before that watch is handed out, and relays every notification on the channel to the
 //! store's [`Announcements`]. A connection that fails is opened again with backoff while
 //! anybody watches; once it listens again, every watched key is announced, since what was
@@ -25,8 +26,8 @@ use tokio::{sync::watch, task::JoinHandle};
 use tokio_postgres::{tls::NoTlsStream, AsyncMessage, Config, Connection, NoTls, Socket};
 
 use crate::{
-    store::{Announcements, Watch},
-    Scope,
+    store::{Announcements, Claim, Watch},
+    ClaimToken, Scope,
 };
 
 /// How long opening the listening connection may take, and then confirming `LISTEN`.
@@ -64,6 +65,27 @@ pub(super) fn payload(scope: &Scope) -> String {
         &Sha256::digest(scope.storage_key().as_bytes()),
     );
     payload
+}
+
+/// What the notification of the end of the claim `token` on `key` (a [`payload`]) carries:
+/// the key, then the token in hex.
+pub(super) fn end_of(key: &str, token: ClaimToken) -> String {
+    let mut payload = String::with_capacity(key.len() + 32);
+    payload.push_str(key);
+    push_hex(&mut payload, token.as_bytes());
+    payload
+}
+
+/// The key a notification's payload names, and the claim whose end it tells where it
+/// names one (an instance of an earlier version names none).
+fn heard(payload: &str) -> (&str, Option<ClaimToken>) {
+    let named = payload.split_at_checked(64).filter(|(_, token)| {
+        token.len() == 32 && token.bytes().all(|byte| byte.is_ascii_hexdigit())
+    });
+    match named.and_then(|(key, token)| Some((key, u128::from_str_radix(token, 16).ok()?))) {
+        Some((key, token)) => (key, Some(ClaimToken::from_bytes(token.to_be_bytes()))),
+        None => (payload, None),
+    }
 }
 
 fn push_hex(out: &mut String, bytes: &[u8]) {
@@ -160,10 +182,23 @@ impl Listener {
         &self.shared.channel
     }
 
-    /// Wakes this process's watches on `key` (a [`payload`]): one atomic read when nobody
-    /// watches.
-    pub(super) fn announce(&self, key: &str) {
-        self.shared.announcements.announce(key);
+    /// Wakes this process's watches on `key` (a [`payload`]) now that the claim `token`
+    /// ended: one atomic read when nobody watches.
+    pub(super) fn announce_end(&self, key: &str, token: ClaimToken) {
+        self.shared.announcements.announce_end(key, token);
+    }
+
+    /// [`announce_end`](Self::announce_end) for a completion: the watches take `completed`
+    /// for the record, and none reads it.
+    pub(super) fn announce_completed(
+        &self,
+        key: &str,
+        token: ClaimToken,
+        completed: impl FnOnce() -> Claim,
+    ) {
+        self.shared
+            .announcements
+            .announce_completed(key, token, completed);
     }
 
     /// How many keys are watched now.
@@ -369,7 +404,10 @@ async fn relay(shared: &Shared, connection: &mut Connection<Socket, NoTlsStream>
         match poll_fn(|cx| connection.poll_message(cx)).await {
             Some(Ok(AsyncMessage::Notification(notification))) => {
                 if notification.channel() == shared.channel {
-                    shared.announcements.announce(notification.payload());
+                    match heard(notification.payload()) {
+                        (key, Some(token)) => shared.announcements.announce_end(key, token),
+                        (key, None) => shared.announcements.announce(key),
+                    }
                 }
             }
             Some(Ok(AsyncMessage::Notice(notice))) => {
@@ -427,6 +465,17 @@ mod tests {
         assert_eq!((a.len(), b.len()), (64, 64));
         assert_ne!(a, b);
         assert_eq!(a, payload(&scope("a")));
+    }
+
+    #[test]
+    fn a_notification_names_the_key_and_the_claim_that_ended() {
+        let key = "ab".repeat(32);
+        let token = ClaimToken::unique();
+        assert_eq!(heard(&end_of(&key, token)), (key.as_str(), Some(token)));
+        // From an instance that names no claim, or names it otherwise: the key alone.
+        assert_eq!(heard(&key), (key.as_str(), None));
+        let odd = format!("{key}{}", "g".repeat(32));
+        assert_eq!(heard(&odd), (odd.as_str(), None));
     }
 
     #[tokio::test]

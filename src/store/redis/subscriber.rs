@@ -30,7 +30,7 @@ use redis::{
 use tokio::sync::mpsc;
 
 use super::{nodelay, primary::Primary, CONNECTION_TIMEOUT};
-use crate::store::Announcements;
+use crate::{store::Announcements, ClaimToken};
 
 /// The longest a reconnection waits between attempts while keys are watched.
 const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
@@ -162,11 +162,13 @@ struct State {
     /// The live connection's command half; `None` before the first watch and after the
     /// connection is lost.
     sink: Option<Sink>,
-    /// The channels subscribed to, and how many watches hold each.
-    channels: HashMap<String, usize>,
+    /// The channels subscribed to, each with the subscription its watches share (gone
+    /// once the last of them is, until its unsubscribing runs).
+    channels: HashMap<String, Weak<Subscription>>,
 }
 
-/// A subscription to one key's channel, ended with the last watch that keeps it.
+/// A subscription to one key's channel, shared by every watch on the key and ended with
+/// the last: a thousand waiters going at once let go of it once, not a thousand times.
 pub(super) struct Subscription {
     subscriber: Arc<Subscriber>,
     channel: String,
@@ -190,28 +192,33 @@ impl Subscriber {
 
     /// Subscribes to `channel` (a key's name), connecting first if needed. Returns once
     /// Redis confirmed it: every message published after that is relayed.
-    pub(super) async fn subscribe(self: &Arc<Self>, channel: &str) -> RedisResult<Subscription> {
+    pub(super) async fn subscribe(
+        self: &Arc<Self>,
+        channel: &str,
+    ) -> RedisResult<Arc<Subscription>> {
         let mut state = self.state.lock().await;
         let subscribed = async {
-            if state.sink.is_some() {
-                if let Some(count) = state.channels.get_mut(channel) {
-                    *count += 1;
-                    return Ok(());
-                }
+            let live = state.channels.get(channel).and_then(Weak::upgrade);
+            if let (Some(_), Some(live)) = (&state.sink, live) {
+                return Ok(live);
             }
             let mut sink = match state.sink.clone() {
                 Some(sink) => sink,
                 None => self.connect(&mut state).await?,
             };
             sink.subscribe(channel).await?;
-            *state.channels.entry(channel.to_owned()).or_default() += 1;
-            Ok(())
-        };
-        match tokio::time::timeout(self.timeout, subscribed).await {
-            Ok(Ok(())) => Ok(Subscription {
+            let subscription = Arc::new(Subscription {
                 subscriber: Arc::clone(self),
                 channel: channel.to_owned(),
-            }),
+            });
+            // Watches still holding an earlier subscription to the channel (made before
+            // the connection was lost) leave it to this one when they go.
+            let held = Arc::downgrade(&subscription);
+            state.channels.insert(channel.to_owned(), held);
+            Ok(subscription)
+        };
+        match tokio::time::timeout(self.timeout, subscribed).await {
+            Ok(Ok(subscription)) => Ok(subscription),
             Ok(Err(error)) => {
                 state.sink = None;
                 Err(error)
@@ -259,7 +266,11 @@ impl Subscriber {
         let announcements = self.announcements.clone();
         tokio::spawn(async move {
             while let Some(message) = messages.next().await {
-                announcements.announce(message.get_channel_name());
+                heard(
+                    &announcements,
+                    message.get_channel_name(),
+                    message.get_payload_bytes(),
+                );
             }
             // The connection is gone: what was published meanwhile is lost. Reconnect
             // while anybody waits, then wake every waiter to read its key again.
@@ -380,14 +391,11 @@ impl Subscriber {
         })
     }
 
-    /// Lets go of one watch's hold on `channel`; the last one unsubscribes.
+    /// Unsubscribes from `channel`, whose last watch went, unless a watch made since
+    /// subscribed to it again.
     async fn release(&self, channel: &str) {
         let mut state = self.state.lock().await;
-        let Some(count) = state.channels.get_mut(channel) else {
-            return;
-        };
-        *count -= 1;
-        if *count > 0 {
+        if !state.channels.get(channel).is_some_and(unheld) {
             return;
         }
         state.channels.remove(channel);
@@ -421,7 +429,13 @@ async fn relay_shard_pushes(
         let announcements = subscriber.announcements();
         let channel = push.data.first().and_then(channel_name);
         match (push.kind, channel) {
-            (PushKind::SMessage, Some(channel)) => announcements.announce(&channel),
+            (PushKind::SMessage, Some(channel)) => {
+                let payload = match push.data.get(1) {
+                    Some(Value::BulkString(payload)) => payload.as_slice(),
+                    _ => &[],
+                };
+                heard(announcements, &channel, payload);
+            }
             // Not asked for: the cluster connection subscribed again after losing a node,
             // or the server dropped the subscription (its slot left the node). Either way
             // messages may have been lost: subscribed again where the slot is now.
@@ -452,6 +466,15 @@ async fn relay_shard_pushes(
     }
 }
 
+/// Announces what was published on `channel` (a key): the end of the claim whose token is
+/// the payload, or a change, from an instance that names no claim.
+fn heard(announcements: &Announcements, channel: &str, payload: &[u8]) {
+    match <[u8; 16]>::try_from(payload) {
+        Ok(token) => announcements.announce_end(channel, ClaimToken::from_bytes(token)),
+        Err(_) => announcements.announce(channel),
+    }
+}
+
 /// A push's channel, as the board names keys.
 fn channel_name(value: &Value) -> Option<String> {
     match value {
@@ -471,20 +494,22 @@ impl Drop for Subscription {
             Ok(runtime) => {
                 runtime.spawn(async move { subscriber.release(&channel).await });
             }
-            // No runtime to unsubscribe on: the count still drops, so that the channel is
+            // No runtime to unsubscribe on: the channel is still forgotten, so that it is
             // not kept for nobody; the connection goes with its runtime anyway.
             Err(_) => {
                 if let Ok(mut state) = subscriber.state.try_lock() {
-                    if let Some(count) = state.channels.get_mut(&channel) {
-                        *count -= 1;
-                        if *count == 0 {
-                            state.channels.remove(&channel);
-                        }
+                    if state.channels.get(&channel).is_some_and(unheld) {
+                        state.channels.remove(&channel);
                     }
                 }
             }
         }
     }
+}
+
+/// Whether no watch holds a channel's subscription any more.
+fn unheld(subscription: &Weak<Subscription>) -> bool {
+    subscription.strong_count() == 0
 }
 
 impl fmt::Debug for Subscriber {
