@@ -153,6 +153,41 @@ async fn rows_hold_the_scope_and_the_response_byte_exact() {
     assert!(claims(&store, &self::scope("k-1", None), Duration::from_secs(30)).await);
 }
 
+/// The transaction that last locked or deleted `key`'s row (`xmax`; `0` for none), and the
+/// row's version (`ctid`).
+async fn row_version(store: &PostgresStore, key: &str) -> (String, String) {
+    let client = support::store_client(&support::database_url()).await;
+    let sql = format!(
+        "SELECT xmax::text, ctid::text FROM {} WHERE idempotency_key = $1",
+        store.table_name()
+    );
+    let row = client.query_one(&sql, &[&key]).await.unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// A replay or a duplicate only reads: a claim that finds its key held (completed, or in
+/// progress within its lease) neither locks nor rewrites the row, so it is no write for
+/// the database to flush at commit.
+#[tokio::test]
+async fn claims_that_find_their_key_held_leave_the_row_untouched() {
+    let store = support::postgres_store().await;
+    let completed = scope("held-completed", None);
+    complete(&store, &completed, Duration::from_secs(3600)).await;
+    let in_progress = scope("held-in-progress", None);
+    assert!(claims(&store, &in_progress, Duration::from_secs(30)).await);
+    for (scope, key) in [
+        (&completed, "held-completed"),
+        (&in_progress, "held-in-progress"),
+    ] {
+        let before = row_version(&store, key).await;
+        for _ in 0..3 {
+            let claim = store.claim(scope, FINGERPRINT, Duration::from_secs(30));
+            assert!(!matches!(claim.await.unwrap(), Claim::Claimed(_)), "{key}");
+        }
+        assert_eq!(row_version(&store, key).await, before, "{key}");
+    }
+}
+
 #[tokio::test]
 async fn expired_rows_are_never_replayed_and_are_purged() {
     let store = support::postgres_store().await;

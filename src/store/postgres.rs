@@ -706,15 +706,26 @@ WHERE {scope} AND claim_token = $4
         );
         // $5 payload.
         let releasing = format!("WITH done AS (\nDELETE FROM {name} WHERE {held}");
+        // A row that holds its key now: in progress within its lease, or completed and not
+        // expired.
+        let alive = "expires_at > now() AND (status = 'completed' OR locked_until > now())";
         // $4 fingerprint, $5 token, $6 lease ms. Takes the key when it is free, expired or
         // abandoned; the row it finds in the way otherwise is read by what follows, which
-        // runs only when nothing was claimed.
+        // runs only when nothing was claimed. A row seen alive is not even tried: `ON
+        // CONFLICT DO UPDATE` locks the row it meets even when its `WHERE` leaves it be, and
+        // that lock would make every replay and duplicate a write, flushed at commit. (A
+        // row committed after the statement's snapshot is met, and locked, as before.)
         let claiming = format!(
-            "WITH claimed AS (
+            "WITH seen AS (
+    SELECT 1 FROM {name} WHERE {scope} AND {alive}
+),
+claimed AS (
     INSERT INTO {name} AS r (idempotency_key, endpoint, principal, request_hash, status,
         claim_token, locked_until, created_at, expires_at)
-    VALUES ($1, $2, $3, $4, 'in_progress', $5, now() + $6::bigint * interval '1 millisecond', now(),
-        now() + $6::bigint * interval '1 millisecond')
+    SELECT $1, $2, $3, $4::bytea, 'in_progress', $5::bytea,
+        now() + $6::bigint * interval '1 millisecond', now(),
+        now() + $6::bigint * interval '1 millisecond'
+    WHERE NOT EXISTS (SELECT 1 FROM seen)
     ON CONFLICT (idempotency_key, endpoint, principal) DO UPDATE SET
         request_hash = EXCLUDED.request_hash, status = 'in_progress', status_code = NULL,
         response_headers = NULL, response_body = NULL, claim_token = EXCLUDED.claim_token,
@@ -735,10 +746,7 @@ FROM claimed";
     (extract(epoch FROM CASE WHEN status = 'in_progress' THEN locked_until ELSE expires_at END
         - now()) * 1000)::bigint,
     (extract(epoch FROM now() - created_at) * 1000)::bigint";
-        let live = format!(
-            "{scope} AND expires_at > now() AND (status = 'completed' OR locked_until > now())
-    AND NOT EXISTS (SELECT 1 FROM claimed)"
-        );
+        let live = format!("{scope} AND {alive}\n    AND NOT EXISTS (SELECT 1 FROM claimed)");
         Self {
             claim: format!(
                 "{claiming}
