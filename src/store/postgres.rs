@@ -41,7 +41,8 @@ const PURGE_BATCH: i64 = 1000;
 ///
 /// - **claim** is one statement: `INSERT … ON CONFLICT DO UPDATE … WHERE <expired>`
 ///   takes a free, expired, or abandoned (lease run out) row, and the same statement returns
-///   the live row otherwise.
+///   the live row otherwise. It tries the insert only when it saw no live row: a replay or
+///   a duplicate only reads, taking no lock and writing nothing.
 /// - **complete**, **release**, **extend** are one statement each, fenced by the claim token
 ///   and the lease.
 /// - Expired rows are never replayed. [`purge_expired`](Self::purge_expired) deletes them
