@@ -188,6 +188,27 @@ async fn claims_that_find_their_key_held_leave_the_row_untouched() {
     }
 }
 
+/// A connection's first claim prepares the writes that follow it too: a completion never
+/// waits for a preparation of its own on a connection that so far only claimed.
+#[tokio::test]
+async fn a_connections_first_claim_prepares_the_writes_after_it() {
+    let migrated = support::postgres_store().await;
+    let (schema, table) = migrated.table_name().split_once('.').unwrap();
+    let config: tokio_postgres::Config = support::database_url().parse().unwrap();
+    let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(1)
+        .build()
+        .unwrap();
+    let store = PostgresStore::new(pool.clone())
+        .table(schema, table)
+        .unwrap();
+    assert!(claims(&store, &scope("prepared", None), Duration::from_secs(30)).await);
+    let connection = pool.get().await.unwrap();
+    // The claim, the completion, the release and the lease's extension.
+    assert_eq!(connection.statement_cache.size(), 4);
+}
+
 #[tokio::test]
 async fn expired_rows_are_never_replayed_and_are_purged() {
     let store = support::postgres_store().await;
