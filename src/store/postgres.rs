@@ -535,7 +535,8 @@ impl PostgresStore {
         }
     }
 
-    /// The statements a request runs: its claim, and the writes after it.
+    /// The statements a request runs, as this store's settings choose them: its claim, then
+    /// the completion, the release and the lease's extension.
     fn writes(&self) -> [&str; 4] {
         let table = &*self.table;
         let (claim, complete, release) = match (self.count_replays, self.announce) {
@@ -946,12 +947,8 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<Claim> {
         let client = self.pool.get().await?;
-        let sql = if self.count_replays {
-            &self.table.claim_counting
-        } else {
-            &self.table.claim
-        };
-        let statement = self.prepared(&client, sql).await?;
+        let [claim, ..] = self.writes();
+        let statement = self.prepared(&client, claim).await?;
         let (key, endpoint, principal) = (scope.key().as_str(), scope.endpoint(), principal(scope));
         let (hash, token_bytes, lease) = (
             fingerprint.as_bytes().as_slice(),
@@ -1008,12 +1005,8 @@ impl Store for PostgresStore {
             &notification.as_str(),
             &resource_id,
         ];
-        let sql = if self.announce {
-            &self.table.complete_announced
-        } else {
-            &self.table.complete
-        };
-        let completed = self.notifying(sql, &params).await?;
+        let [_, complete, ..] = self.writes();
+        let completed = self.notifying(complete, &params).await?;
         if completed == Fenced::Applied {
             // This process's waiters take the record as written, and none reads it.
             let record = || Claim::Completed {
@@ -1036,12 +1029,8 @@ impl Store for PostgresStore {
             &token.as_bytes().as_slice(),
             &notification.as_str(),
         ];
-        let sql = if self.announce {
-            &self.table.release_announced
-        } else {
-            &self.table.release
-        };
-        let released = self.notifying(sql, &params).await?;
+        let [_, _, release, _] = self.writes();
+        let released = self.notifying(release, &params).await?;
         if released == Fenced::Applied {
             self.listener.announce_end(&key, token);
         }
@@ -1056,7 +1045,8 @@ impl Store for PostgresStore {
             &token.as_bytes().as_slice(),
             &millis(lease),
         ];
-        Ok(fenced(self.execute(&self.table.extend, &params).await?))
+        let [.., extend] = self.writes();
+        Ok(fenced(self.execute(extend, &params).await?))
     }
 
     async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
