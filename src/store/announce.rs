@@ -41,12 +41,22 @@ struct Board {
 #[derive(Default)]
 struct Slot {
     changes: AtomicU64,
-    /// The claim whose end was announced last: heard again, it is no change.
-    last_ended: Mutex<Option<ClaimToken>>,
+    /// The claims whose ends are known here.
+    ends: Mutex<Ends>,
     announced: Notify,
     /// The last shared read of the key: the waiters woken by one announcement read the
     /// key once between them.
     last_read: Mutex<Option<Arc<SharedRead>>>,
+}
+
+/// What a watched key's slot knows of the claims on it that ended.
+#[derive(Default)]
+struct Ends {
+    /// The claim whose end was announced last: heard again, it is no change.
+    last: Option<ClaimToken>,
+    /// The claim whose end this process is writing ([`Ending`]): its end, heard before the
+    /// write returns, is announced by the writer once it does.
+    writing: Option<ClaimToken>,
 }
 
 /// One read of a key, begun when `changes` announcements had been made, and what it found
@@ -69,6 +79,17 @@ pub struct Watch {
     shared: bool,
     /// What the store keeps alive while the watch lives (a subscription).
     _keeping: Option<Box<dyn Send + Sync>>,
+}
+
+/// The end of a claim that this process is writing, made by [`Announcements::ending`]: say
+/// how the write ended with [`completed`](Self::completed) or
+/// [`released`](Self::released); dropped without either, it announces the end, and the
+/// waiters read the key.
+#[must_use = "dropped at once, the end is announced before it is written"]
+pub struct Ending<'a> {
+    announcements: &'a Announcements,
+    key: &'a str,
+    token: ClaimToken,
 }
 
 impl Announcements {
@@ -114,11 +135,16 @@ impl Announcements {
     /// a store that announces its own writes at once and hears them again from its
     /// notifications: each change heard twice would make the waiters read the key twice.
     pub fn announce_end(&self, key: &str, token: ClaimToken) {
+        self.end(key, token, Slot::first_heard);
+    }
+
+    /// Wakes the watches on `key` if the end of the claim `token` is news to `heard`.
+    fn end(&self, key: &str, token: ClaimToken, heard: fn(&Slot, ClaimToken) -> bool) {
         if !self.anyone_watching() {
             return;
         }
         if let Some(slot) = self.lock().get(key) {
-            if slot.first_heard(token) {
+            if heard(slot, token) {
                 slot.changed();
             }
         }
@@ -135,11 +161,23 @@ impl Announcements {
         token: ClaimToken,
         completed: impl FnOnce() -> Claim,
     ) {
+        self.complete(key, token, Slot::first_heard, completed);
+    }
+
+    /// Hands `completed` to the watches on `key` if the end of the claim `token` is news to
+    /// `heard`.
+    fn complete(
+        &self,
+        key: &str,
+        token: ClaimToken,
+        heard: fn(&Slot, ClaimToken) -> bool,
+        completed: impl FnOnce() -> Claim,
+    ) {
         if !self.anyone_watching() {
             return;
         }
         let keys = self.lock();
-        let Some(slot) = keys.get(key).filter(|slot| slot.first_heard(token)) else {
+        let Some(slot) = keys.get(key).filter(|slot| heard(slot, token)) else {
             return;
         };
         // Announcements are made under the board's lock: this is the count the change makes.
@@ -152,6 +190,26 @@ impl Announcements {
         // Counted once the finding is in place: a waiter that sees the change finds it.
         slot.changes.store(changes, Ordering::Release);
         slot.announced.notify_waiters();
+    }
+
+    /// Marks the end of the claim `token` on `key` as being written by this process: until
+    /// the returned [`Ending`] announces it, the end heard from elsewhere (the store's own
+    /// notification, which can arrive before its write's reply) wakes nobody. For a
+    /// store's completions and releases: their waiters are then handed the record the
+    /// write returns with, rather than one of them reading it. Dropped unannounced (the
+    /// write failed, or its caller went away), the `Ending` announces the end: the waiters
+    /// read the key, as after a notification.
+    pub fn ending<'a>(&'a self, key: &'a str, token: ClaimToken) -> Ending<'a> {
+        if self.anyone_watching() {
+            if let Some(slot) = self.lock().get(key) {
+                lock(&slot.ends).writing = Some(token);
+            }
+        }
+        Ending {
+            announcements: self,
+            key,
+            token,
+        }
     }
 
     /// Whether any key is watched now: one atomic read, for a store to skip the work of
@@ -178,7 +236,24 @@ impl Announcements {
 impl Slot {
     /// Whether the end of the claim `token` is heard here for the first time.
     fn first_heard(&self, token: ClaimToken) -> bool {
-        lock(&self.last_ended).replace(token) != Some(token)
+        let mut ends = lock(&self.ends);
+        ends.writing != Some(token) && ends.last.replace(token) != Some(token)
+    }
+
+    /// Whether the end of the claim `token`, written here, is announced for the first
+    /// time: it is no longer being written.
+    fn written(&self, token: ClaimToken) -> bool {
+        let mut ends = lock(&self.ends);
+        if ends.writing == Some(token) {
+            ends.writing = None;
+        }
+        ends.last.replace(token) != Some(token)
+    }
+
+    /// Whether a change was announced since `seen` changes were; `seen` counts it now.
+    fn changed_since(&self, seen: &mut u64) -> bool {
+        let changes = self.changes.load(Ordering::Acquire);
+        std::mem::replace(seen, changes) != changes
     }
 
     fn changed(&self) {
@@ -202,14 +277,20 @@ impl Watch {
     /// asleep when it was the one woken: its caller reads the key next, with
     /// [`read_shared`](Self::read_shared), which wakes them with what it found.
     pub(crate) async fn announced(&mut self) {
+        let (slot, seen) = (&self.slot, &mut self.seen);
         loop {
-            let announced = self.slot.announced.notified();
+            // Woken, a waiter finds the change counted and needs no registration: a thousand
+            // woken at once would otherwise each register again, and unregister, under the
+            // lock the waking takes between its batches.
+            if slot.changed_since(seen) {
+                return;
+            }
+            let announced = slot.announced.notified();
             tokio::pin!(announced);
-            // Registered before the count is read: an announcement in between still wakes.
+            // Registered before the count is read again: an announcement in between still
+            // wakes.
             announced.as_mut().enable();
-            let changes = self.slot.changes.load(Ordering::Acquire);
-            if changes != self.seen {
-                self.seen = changes;
+            if slot.changed_since(seen) {
                 return;
             }
             announced.await;
@@ -317,6 +398,33 @@ impl Drop for PassOn<'_> {
         if *self.read.get_mut() {
             self.announced.notify_waiters();
         }
+    }
+}
+
+impl Ending<'_> {
+    /// The record was completed, as `completed` says: the watches take it for what a read
+    /// would find, as with [`Announcements::announce_completed`].
+    pub fn completed(self, completed: impl FnOnce() -> Claim) {
+        let this = std::mem::ManuallyDrop::new(self);
+        this.announcements
+            .complete(this.key, this.token, Slot::written, completed);
+    }
+
+    /// The claim was released: the watches read the key, one for them all.
+    pub fn released(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        self.announcements.end(self.key, self.token, Slot::written);
+    }
+}
+
+impl fmt::Debug for Ending<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ending").field("key", &self.key).finish()
     }
 }
 
@@ -457,6 +565,20 @@ mod tests {
         (reads, read)
     }
 
+    /// A board with a hundred waiters on "k", whose reads take `taking` and are counted.
+    async fn a_hundred_waiting(
+        taking: Duration,
+    ) -> (
+        Announcements,
+        Arc<AtomicUsize>,
+        Vec<tokio::task::JoinHandle<Result<Claim>>>,
+    ) {
+        let board = Announcements::new();
+        let (reads, read) = counted_read(taking);
+        let waiters = waiters_reading(&board, 100, read).await;
+        (board, reads, waiters)
+    }
+
     /// Every waiter answers soon, with the completed record.
     async fn all_find_it_completed(waiters: Vec<tokio::task::JoinHandle<Result<Claim>>>) {
         for waiter in waiters {
@@ -470,9 +592,7 @@ mod tests {
 
     #[tokio::test]
     async fn one_announcement_is_read_once_for_every_waiter() {
-        let board = Announcements::new();
-        let (reads, read) = counted_read(Duration::from_millis(10));
-        let waiters = waiters_reading(&board, 100, read).await;
+        let (board, reads, waiters) = a_hundred_waiting(Duration::from_millis(10)).await;
         board.announce("k");
         all_find_it_completed(waiters).await;
         assert_eq!(reads.load(Ordering::SeqCst), 1);
@@ -480,9 +600,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_end_of_a_claim_heard_twice_is_read_once() {
-        let board = Announcements::new();
-        let (reads, read) = counted_read(Duration::from_millis(20));
-        let waiters = waiters_reading(&board, 100, read).await;
+        let (board, reads, waiters) = a_hundred_waiting(Duration::from_millis(20)).await;
         let token = ClaimToken::unique();
         board.announce_end("k", token);
         // Heard again while the first read runs, as a store hears its own write relayed.
@@ -494,17 +612,60 @@ mod tests {
 
     #[tokio::test]
     async fn a_completion_announced_with_its_record_is_read_by_nobody() {
-        let board = Announcements::new();
-        let (reads, read) = counted_read(Duration::ZERO);
-        let waiters = waiters_reading(&board, 100, read).await;
+        let (board, reads, waiters) = a_hundred_waiting(Duration::ZERO).await;
         let mut watch = board.watch("k");
         let token = ClaimToken::unique();
         board.announce_completed("k", token, completed);
         all_find_it_completed(waiters).await;
         assert_eq!(reads.load(Ordering::SeqCst), 0);
+        saw_the_end_once(&board, &mut watch, token).await;
+    }
+
+    #[tokio::test]
+    async fn the_end_of_a_claim_being_written_here_is_announced_by_the_write() {
+        let (board, reads, waiters) = a_hundred_waiting(Duration::ZERO).await;
+        let mut watch = board.watch("k");
+        let token = ClaimToken::unique();
+        let ending = board.ending("k", token);
+        // The store's own notification, heard before its write returns: nobody wakes.
+        board.announce_end("k", token);
+        let wait = Duration::from_millis(20);
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_err());
+        ending.completed(completed);
+        all_find_it_completed(waiters).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 0, "handed the record");
+        saw_the_end_once(&board, &mut watch, token).await;
+    }
+
+    #[tokio::test]
+    async fn an_ending_dropped_unannounced_wakes_the_waiters_to_read() {
+        let (board, reads, waiters) = a_hundred_waiting(Duration::ZERO).await;
+        let token = ClaimToken::unique();
+        let ending = board.ending("k", token);
+        board.announce_end("k", token);
+        // The write failed, or its caller went away: whether it applied is unknown.
+        drop(ending);
+        all_find_it_completed(waiters).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_release_written_here_wakes_the_waiters_to_read() {
+        let (board, reads, waiters) = a_hundred_waiting(Duration::ZERO).await;
+        let mut watch = board.watch("k");
+        let token = ClaimToken::unique();
+        let ending = board.ending("k", token);
+        ending.released();
+        all_find_it_completed(waiters).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+        saw_the_end_once(&board, &mut watch, token).await;
+    }
+
+    /// `watch` saw the end of the claim `token` on "k": heard again from the store's
+    /// notifications, it is no change.
+    async fn saw_the_end_once(board: &Announcements, watch: &mut Watch, token: ClaimToken) {
         let wait = Duration::from_millis(20);
         assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
-        // Heard again from the store's notifications: no change.
         board.announce_end("k", token);
         assert!(tokio::time::timeout(wait, watch.changed()).await.is_err());
     }

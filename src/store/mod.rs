@@ -24,7 +24,7 @@ pub use self::postgres::{
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{RedisStore, RedisStoreError};
-pub use announce::{Announcements, Watch};
+pub use announce::{Announcements, Ending, Watch};
 pub use cached::CachedStore;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
@@ -312,7 +312,10 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// applies (and each one its backend reports from elsewhere), and returns its watches.
     /// Naming the claim that ended ([`Announcements::announce_end`]) lets one heard twice
     /// (applied here, then reported back) count once; announcing its own completions with
-    /// the record ([`Announcements::announce_completed`]) spares its waiters a read.
+    /// the record ([`Announcements::announce_completed`]) spares its waiters a read. A
+    /// store whose report of its own write can come back before the write's reply marks
+    /// the write first ([`Announcements::ending`]): the report, heard early, then wakes
+    /// nobody, and the waiters are still handed the record.
     async fn watch(&self, _scope: &Scope) -> Result<Option<Watch>> {
         Ok(None)
     }

@@ -1006,15 +1006,15 @@ impl Store for PostgresStore {
             &resource_id,
         ];
         let [_, complete, ..] = self.writes();
+        let ending = self.listener.ending(&key, token);
         let completed = self.notifying(complete, &params).await?;
         if completed == Fenced::Applied {
             // This process's waiters take the record as written, and none reads it.
-            let record = || Claim::Completed {
+            ending.completed(|| Claim::Completed {
                 fingerprint,
                 response: response.clone(),
                 expires_in: Some(ttl),
-            };
-            self.listener.announce_completed(&key, token, record);
+            });
         }
         Ok(completed)
     }
@@ -1030,9 +1030,10 @@ impl Store for PostgresStore {
             &notification.as_str(),
         ];
         let [_, _, release, _] = self.writes();
+        let ending = self.listener.ending(&key, token);
         let released = self.notifying(release, &params).await?;
         if released == Fenced::Applied {
-            self.listener.announce_end(&key, token);
+            ending.released();
         }
         Ok(released)
     }

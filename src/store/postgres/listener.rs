@@ -26,7 +26,7 @@ use tokio::{sync::watch, task::JoinHandle};
 use tokio_postgres::{tls::NoTlsStream, AsyncMessage, Config, Connection, NoTls, Socket};
 
 use crate::{
-    store::{Announcements, Claim, Watch},
+    store::{Announcements, Ending, Watch},
     ClaimToken, Scope,
 };
 
@@ -182,23 +182,11 @@ impl Listener {
         &self.shared.channel
     }
 
-    /// Wakes this process's watches on `key` (a [`payload`]) now that the claim `token`
-    /// ended: one atomic read when nobody watches.
-    pub(super) fn announce_end(&self, key: &str, token: ClaimToken) {
-        self.shared.announcements.announce_end(key, token);
-    }
-
-    /// [`announce_end`](Self::announce_end) for a completion: the watches take `completed`
-    /// for the record, and none reads it.
-    pub(super) fn announce_completed(
-        &self,
-        key: &str,
-        token: ClaimToken,
-        completed: impl FnOnce() -> Claim,
-    ) {
-        self.shared
-            .announcements
-            .announce_completed(key, token, completed);
+    /// The end of the claim `token` on `key` (a [`payload`]), which this process is about
+    /// to write: its notification, heard before the write returns, wakes nobody, and the
+    /// write announces it ([`Announcements::ending`]).
+    pub(super) fn ending<'a>(&'a self, key: &'a str, token: ClaimToken) -> Ending<'a> {
+        self.shared.announcements.ending(key, token)
     }
 
     /// How many keys are watched now.
