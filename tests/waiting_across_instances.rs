@@ -8,11 +8,18 @@
 
 mod support;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use axum::http::StatusCode;
 use tower_idempotency::{
-    store::{Claim, Fenced, Watch},
+    async_trait,
+    store::{self, Claim, Fenced, Watch},
     ClaimToken, Fingerprint, IdempotencyLayer, PostgresStore, RedisStore, Scope, Store,
     StoredResponse,
 };
@@ -72,6 +79,8 @@ across_instances!(
 );
 across_instances!(
     redis: a_duplicate_on_another_instance_gets_the_replay,
+    the_duplicates_on_another_instance_are_handed_the_record,
+    a_record_too_large_to_announce_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
     each_instance_hears_the_end_of_a_claim_once,
@@ -82,6 +91,8 @@ across_instances!(
 );
 across_instances!(
     redis_cluster: a_duplicate_on_another_instance_gets_the_replay,
+    the_duplicates_on_another_instance_are_handed_the_record,
+    a_record_too_large_to_announce_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
     each_instance_hears_the_end_of_a_claim_once,
@@ -92,6 +103,8 @@ across_instances!(
 );
 across_instances!(
     redis_sentinel: a_duplicate_on_another_instance_gets_the_replay,
+    the_duplicates_on_another_instance_are_handed_the_record,
+    a_record_too_large_to_announce_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
     each_instance_hears_the_end_of_a_claim_once,
@@ -243,6 +256,130 @@ async fn a_duplicate_on_another_instance_gets_the_replay(instances: Instances) {
         );
     }
     assert_eq!(handler.executions(), 1);
+}
+
+/// The completion's announcement carries its record (Redis): the duplicates waiting on B
+/// take it from there, and B reads the key only as it did to begin waiting (each
+/// duplicate once to find it in progress, and once more once watching).
+async fn the_duplicates_on_another_instance_are_handed_the_record(instances: Instances) {
+    let (to_wait, after) = reads_of_duplicates_on_b(instances, "handed", 100).await;
+    assert_eq!(after, to_wait, "a duplicate read the key");
+}
+
+/// A record too large for the announcement to carry (over 64 KiB) is read once for all
+/// the duplicates waiting on B.
+async fn a_record_too_large_to_announce_is_read_once_for_the_duplicates(instances: Instances) {
+    let (to_wait, after) = reads_of_duplicates_on_b(instances, "large", 70_000).await;
+    assert_eq!(after, to_wait + 1);
+}
+
+/// Three duplicates on B wait for an original on A whose body is `body_len` bytes, and get
+/// its replay: how often B read the key for them before the original answered, and in all.
+async fn reads_of_duplicates_on_b(
+    instances: Instances,
+    key: &str,
+    body_len: usize,
+) -> (usize, usize) {
+    let b = Arc::new(ReadsCounted::new(instances.b.clone()));
+    let instances = Instances {
+        b: b.clone(),
+        ..instances
+    };
+    let handler = Handler::default();
+    let (a, b_app) = apps(&instances, &handler);
+    let length = body_len.to_string();
+    let original = post_waiting(key).header("x-body-len", &length);
+    let original = spawn_send(&a, original);
+    until_executing(&handler, 1).await;
+    let duplicates: Vec<_> = (0..3)
+        .map(|_| spawn_send(&b_app, post("/pay").key(key)))
+        .collect();
+    for duplicate in &duplicates {
+        still_waiting(duplicate).await;
+    }
+    let to_wait = b.reads();
+    assert_eq!(to_wait, 2 * duplicates.len());
+    handler.gate.add_permits(1);
+    let original = original.await.unwrap();
+    assert_eq!(original.body.len(), body_len);
+    for duplicate in duplicates {
+        let duplicate = before_the_bound(duplicate).await;
+        assert!(duplicate.replayed());
+        assert_eq!(
+            (duplicate.status, &duplicate.body),
+            (original.status, &original.body)
+        );
+    }
+    assert_eq!(handler.executions(), 1);
+    (to_wait, b.reads())
+}
+
+/// A store whose claims (each a read of the key when it is held) are counted.
+#[derive(Debug)]
+struct ReadsCounted {
+    store: Arc<dyn Store>,
+    claims: AtomicUsize,
+}
+
+impl ReadsCounted {
+    fn new(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            claims: AtomicUsize::new(0),
+        }
+    }
+
+    fn reads(&self) -> usize {
+        self.claims.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl Store for ReadsCounted {
+    async fn claim_with_token(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> store::Result<Claim> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        let claim = self
+            .store
+            .claim_with_token(scope, fingerprint, token, lease);
+        claim.await
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> store::Result<Fenced> {
+        let complete = self
+            .store
+            .complete(scope, token, fingerprint, response, ttl);
+        complete.await
+    }
+
+    async fn release(&self, scope: &Scope, token: ClaimToken) -> store::Result<Fenced> {
+        self.store.release(scope, token).await
+    }
+
+    async fn extend(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> store::Result<Fenced> {
+        self.store.extend(scope, token, lease).await
+    }
+
+    async fn watch(&self, scope: &Scope) -> store::Result<Option<Watch>> {
+        self.store.watch(scope).await
+    }
 }
 
 async fn a_duplicate_on_another_instance_executes_when_the_original_is_released(

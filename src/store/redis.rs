@@ -98,7 +98,8 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return false",
 /// `WAIT` after it, on whatever connection, waits for the record.
 static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_script("")));
 /// [`COMPLETE`], announcing the completion ([`RedisStore::announce_outcomes`]).
-static COMPLETE_ANNOUNCED: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_script(PUBLISH)));
+static COMPLETE_ANNOUNCED: LazyLock<Lua> =
+    LazyLock::new(|| Lua::new(complete_script(&announce_completed("PUBLISH"))));
 /// Sent whole (`EVAL`), not by hash: a release often goes out for a claim nobody awaits any
 /// more (its request went away or timed out), and then no one would be there to load the
 /// script and retry if Redis answered `NOSCRIPT`.
@@ -107,7 +108,7 @@ static RELEASE: LazyLock<String> = LazyLock::new(|| release_script(""));
 static RELEASE_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(PUBLISH));
 /// [`COMPLETE_ANNOUNCED`] in a cluster: on the key's shard channel.
 static COMPLETE_SHARD_ANNOUNCED: LazyLock<Lua> =
-    LazyLock::new(|| Lua::new(complete_script(SPUBLISH)));
+    LazyLock::new(|| Lua::new(complete_script(&announce_completed("SPUBLISH"))));
 /// [`RELEASE_ANNOUNCED`] in a cluster: on the key's shard channel.
 static RELEASE_SHARD_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(SPUBLISH));
 /// Tells the subscribers of the key's own channel that the claim `ARGV[1]` (its token)
@@ -119,6 +120,24 @@ const PUBLISH: &str = "redis.call('PUBLISH', KEYS[1], ARGV[1])";
 /// Called so that a server without shard channels (before Redis 7.0) still writes the
 /// outcome: its waiters cannot subscribe to one either, and read their keys again.
 const SPUBLISH: &str = "redis.pcall('SPUBLISH', KEYS[1], ARGV[1])";
+
+/// The largest completed value a completion's announcement carries: the waiters of
+/// another instance take it from there rather than each instance reading the key once. A
+/// larger one is left to that read: a message goes whole into every subscriber's output
+/// buffer, which Redis bounds (`client-output-buffer-limit pubsub`).
+const ANNOUNCED_VALUE_MAX: usize = 64 * 1024;
+
+/// Tells the subscribers of the key's channel (`PUBLISH`) or shard channel (`SPUBLISH`)
+/// that the claim `ARGV[1]` ended with the completed value `ARGV[2]`, which follows the
+/// token when it is small enough ([`ANNOUNCED_VALUE_MAX`]). Called like [`SPUBLISH`] for
+/// a server without shard channels.
+fn announce_completed(publish: &str) -> String {
+    format!(
+        "local announced = ARGV[1]
+if #ARGV[2] <= {ANNOUNCED_VALUE_MAX} then announced = ARGV[1] .. ARGV[2] end
+redis.pcall('{publish}', KEYS[1], announced)"
+    )
+}
 
 fn complete_script(announce: &str) -> String {
     format!(
@@ -622,6 +641,12 @@ impl RedisStore {
         }
     }
 
+    /// This store's announcements and `scope`'s key on them, if anybody watches a key.
+    fn watched_key(&self, scope: &Scope) -> Option<(&Announcements, String)> {
+        let board = self.watched_announcements()?;
+        Some((board, self.redis_key(scope)))
+    }
+
     /// This store's announcements, if anybody watches a key on them.
     fn watched_announcements(&self) -> Option<&Announcements> {
         let subscriber = self.subscriber.as_ref()?;
@@ -746,8 +771,6 @@ impl Store for RedisStore {
             return Ok(Claim::Claimed(token));
         };
         let (record, deadline) = split_value(current)?;
-        let remaining =
-            |deadline: u64| Duration::from_millis(deadline.saturating_sub(unix_millis()));
         match (Record::decode(record)?, deadline) {
             // This very claim, sent twice (a retry after a lost reply, a cluster redirect):
             // the second finds what the first wrote. The key is ours.
@@ -802,15 +825,25 @@ impl Store for RedisStore {
             (true, Commands::Node(_)) => &*COMPLETE_ANNOUNCED,
             (true, Commands::Cluster(_)) => &*COMPLETE_SHARD_ANNOUNCED,
         };
+        let watched = self.watched_key(scope);
+        let ending = watched
+            .as_ref()
+            .map(|(board, key)| board.ending(key, token));
         let completed = self
             .eval_fenced(script, scope, token, &[&value, ttl.as_bytes()], true)
             .await?;
         if completed == Fenced::Applied {
-            self.announce_completed(scope, token, || Claim::Completed {
+            // This process's waiters take the record as written, and none reads it.
+            let record = || Claim::Completed {
                 fingerprint,
                 response: response.clone(),
                 expires_in: Some(ttl_given),
-            });
+            };
+            match ending {
+                Some(ending) => ending.completed(record),
+                // Nobody waited when the write began: somebody may since.
+                None => self.announce_completed(scope, token, record),
+            }
         }
         Ok(completed)
     }
@@ -823,9 +856,15 @@ impl Store for RedisStore {
             (true, Commands::Cluster(_)) => &*RELEASE_SHARD_ANNOUNCED,
         };
         let eval = script_command("EVAL", script, &key, &[token.as_bytes()]);
+        let ending = self
+            .watched_announcements()
+            .map(|board| board.ending(&key, token));
         let released = fenced(self.query(eval, &key, Unawaited::Send, false).await?);
         if released == Fenced::Applied {
-            self.announce_end(scope, token);
+            match ending {
+                Some(ending) => ending.released(),
+                None => self.announce_end(scope, token),
+            }
         }
         Ok(released)
     }
@@ -872,6 +911,28 @@ fn split_value(mut value: Vec<u8>) -> Result<(Bytes, Option<u64>)> {
         record.advance(1);
     }
     Ok((record, Some(deadline)))
+}
+
+/// What is left until `deadline` (Unix milliseconds).
+fn remaining(deadline: u64) -> Duration {
+    Duration::from_millis(deadline.saturating_sub(unix_millis()))
+}
+
+/// The record of a completed value as a completion's announcement carries it
+/// ([`ANNOUNCED_VALUE_MAX`]); `None` for anything else.
+fn announced_record(value: &[u8]) -> Option<Claim> {
+    let (record, deadline) = split_value(value.to_vec()).ok()?;
+    match Record::decode(record).ok()? {
+        Record::Completed {
+            fingerprint,
+            response,
+        } => Some(Claim::Completed {
+            fingerprint,
+            response,
+            expires_in: deadline.map(remaining),
+        }),
+        Record::InProgress { .. } => None,
+    }
 }
 
 fn unexpected(reply: &impl fmt::Debug) -> Error {

@@ -466,12 +466,22 @@ async fn relay_shard_pushes(
     }
 }
 
-/// Announces what was published on `channel` (a key): the end of the claim whose token is
-/// the payload, or a change, from an instance that names no claim.
+/// Announces what was published on `channel` (a key): the end of the claim whose token
+/// begins the payload, with the completed value that follows it when there is one (the
+/// waiters take it and none reads the key), or a change, from an instance that names no
+/// claim.
 fn heard(announcements: &Announcements, channel: &str, payload: &[u8]) {
-    match <[u8; 16]>::try_from(payload) {
-        Ok(token) => announcements.announce_end(channel, ClaimToken::from_bytes(token)),
-        Err(_) => announcements.announce(channel),
+    let Some((token, value)) = payload.split_first_chunk::<16>() else {
+        return announcements.announce(channel);
+    };
+    let token = ClaimToken::from_bytes(*token);
+    let completed = match value {
+        [] => None,
+        value => super::announced_record(value),
+    };
+    match completed {
+        Some(completed) => announcements.announce_completed(channel, token, || completed),
+        None => announcements.announce_end(channel, token),
     }
 }
 
