@@ -80,6 +80,7 @@ across_instances!(
 across_instances!(
     redis: a_duplicate_on_another_instance_gets_the_replay,
     the_duplicates_on_another_instance_are_handed_the_record,
+    a_larger_record_is_handed_to_the_duplicates_that_listen,
     a_record_too_large_to_announce_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
@@ -92,6 +93,7 @@ across_instances!(
 across_instances!(
     redis_cluster: a_duplicate_on_another_instance_gets_the_replay,
     the_duplicates_on_another_instance_are_handed_the_record,
+    a_larger_record_is_handed_to_the_duplicates_that_listen,
     a_record_too_large_to_announce_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
@@ -104,6 +106,7 @@ across_instances!(
 across_instances!(
     redis_sentinel: a_duplicate_on_another_instance_gets_the_replay,
     the_duplicates_on_another_instance_are_handed_the_record,
+    a_larger_record_is_handed_to_the_duplicates_that_listen,
     a_record_too_large_to_announce_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
@@ -263,6 +266,13 @@ async fn a_duplicate_on_another_instance_gets_the_replay(instances: Instances) {
 /// duplicate once to find it in progress, and once more once watching).
 async fn the_duplicates_on_another_instance_are_handed_the_record(instances: Instances) {
     let (to_wait, after) = reads_of_duplicates_on_b(instances, "handed", 100).await;
+    assert_eq!(after, to_wait, "a duplicate read the key");
+}
+
+/// A record of a few KiB is carried only to a key somebody listens on, as B's duplicates
+/// do: they are handed it too.
+async fn a_larger_record_is_handed_to_the_duplicates_that_listen(instances: Instances) {
+    let (to_wait, after) = reads_of_duplicates_on_b(instances, "handed-larger", 5_000).await;
     assert_eq!(after, to_wait, "a duplicate read the key");
 }
 

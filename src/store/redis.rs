@@ -99,7 +99,7 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return false",
 static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_script("")));
 /// [`COMPLETE`], announcing the completion ([`RedisStore::announce_outcomes`]).
 static COMPLETE_ANNOUNCED: LazyLock<Lua> =
-    LazyLock::new(|| Lua::new(complete_script(&announce_completed("PUBLISH"))));
+    LazyLock::new(|| Lua::new(complete_script(&announce_completed("PUBLISH", "NUMSUB"))));
 /// Sent whole (`EVAL`), not by hash: a release often goes out for a claim nobody awaits any
 /// more (its request went away or timed out), and then no one would be there to load the
 /// script and retry if Redis answered `NOSCRIPT`.
@@ -107,8 +107,12 @@ static RELEASE: LazyLock<String> = LazyLock::new(|| release_script(""));
 /// [`RELEASE`], announcing the release ([`RedisStore::announce_outcomes`]).
 static RELEASE_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(PUBLISH));
 /// [`COMPLETE_ANNOUNCED`] in a cluster: on the key's shard channel.
-static COMPLETE_SHARD_ANNOUNCED: LazyLock<Lua> =
-    LazyLock::new(|| Lua::new(complete_script(&announce_completed("SPUBLISH"))));
+static COMPLETE_SHARD_ANNOUNCED: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(complete_script(&announce_completed(
+        "SPUBLISH",
+        "SHARDNUMSUB",
+    )))
+});
 /// [`RELEASE_ANNOUNCED`] in a cluster: on the key's shard channel.
 static RELEASE_SHARD_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(SPUBLISH));
 /// Tells the subscribers of the key's own channel that the claim `ARGV[1]` (its token)
@@ -126,15 +130,25 @@ const SPUBLISH: &str = "redis.pcall('SPUBLISH', KEYS[1], ARGV[1])";
 /// larger one is left to that read: a message goes whole into every subscriber's output
 /// buffer, which Redis bounds (`client-output-buffer-limit pubsub`).
 const ANNOUNCED_VALUE_MAX: usize = 64 * 1024;
+/// The largest completed value an announcement carries whether anybody listens or not:
+/// copying it into the message costs Redis about what asking for the key's subscribers
+/// does.
+const ANNOUNCED_ALWAYS_MAX: usize = 1024;
 
-/// Tells the subscribers of the key's channel (`PUBLISH`) or shard channel (`SPUBLISH`)
-/// that the claim `ARGV[1]` ended with the completed value `ARGV[2]`, which follows the
-/// token when it is small enough ([`ANNOUNCED_VALUE_MAX`]). Called like [`SPUBLISH`] for
-/// a server without shard channels.
-fn announce_completed(publish: &str) -> String {
+/// Tells the subscribers of the key's channel (`PUBLISH`, counted by `NUMSUB`) or shard
+/// channel (`SPUBLISH`, `SHARDNUMSUB`) that the claim `ARGV[1]` ended with the completed
+/// value `ARGV[2]`, which follows the token when it is small, or not too large
+/// ([`ANNOUNCED_VALUE_MAX`]) and somebody on this node listens: copied into every
+/// completion's message, a large value would cost Redis about as much again as storing
+/// it. Called like [`SPUBLISH`], for a server without shard channels.
+fn announce_completed(publish: &str, numsub: &str) -> String {
     format!(
-        "local announced = ARGV[1]
-if #ARGV[2] <= {ANNOUNCED_VALUE_MAX} then announced = ARGV[1] .. ARGV[2] end
+        "local announced, size = ARGV[1], #ARGV[2]
+if size > {ANNOUNCED_ALWAYS_MAX} and size <= {ANNOUNCED_VALUE_MAX} then
+    local subscribers = redis.pcall('PUBSUB', '{numsub}', KEYS[1])
+    if (tonumber(subscribers[2]) or 0) > 0 then size = 0 end
+end
+if size <= {ANNOUNCED_ALWAYS_MAX} then announced = ARGV[1] .. ARGV[2] end
 redis.pcall('{publish}', KEYS[1], announced)"
     )
 }
@@ -440,7 +454,10 @@ impl RedisStore {
     ///
     /// Waiters subscribe on one connection per store, to the keys they wait on and only
     /// while they wait. A store made from a connection ([`RedisStore::new`]) publishes
-    /// but cannot subscribe: its own waiters poll.
+    /// but cannot subscribe: its own waiters poll. A completion's message carries the
+    /// record when it takes at most 64 KiB, and the waiters of every instance answer
+    /// with it without reading the key; after a larger one, or a release, one waiter per
+    /// instance reads the key for the others.
     ///
     /// In a cluster ([`cluster`](Self::cluster), [`from_cluster_client`](Self::from_cluster_client))
     /// the channel is the key's shard channel (`SPUBLISH`, `SSUBSCRIBE`, Redis 7.0 and
