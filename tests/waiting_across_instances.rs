@@ -241,23 +241,11 @@ async fn a_duplicate_on_another_instance_gets_the_replay(instances: Instances) {
     let (a, b) = apps(&instances, &handler);
     let original = spawn_send(&a, post_waiting("w").body("amount=1"));
     until_executing(&handler, 1).await;
-    let duplicates: Vec<_> = (0..3)
-        .map(|_| spawn_send(&b, post("/pay").key("w").body("amount=1")))
-        .collect();
-    for duplicate in &duplicates {
-        still_waiting(duplicate).await;
-    }
+    let duplicates = three_waiting(&b, || post("/pay").key("w").body("amount=1")).await;
     handler.gate.add_permits(1);
     let original = original.await.unwrap();
     assert_eq!(original.status, StatusCode::CREATED);
-    for duplicate in duplicates {
-        let duplicate = before_the_bound(duplicate).await;
-        assert!(duplicate.replayed());
-        assert_eq!(
-            (duplicate.status, &duplicate.body),
-            (original.status, &original.body)
-        );
-    }
+    each_gets_the_replay(duplicates, &original).await;
     assert_eq!(handler.executions(), 1);
 }
 
@@ -301,25 +289,13 @@ async fn reads_of_duplicates_on_b(
     let original = post_waiting(key).header("x-body-len", &length);
     let original = spawn_send(&a, original);
     until_executing(&handler, 1).await;
-    let duplicates: Vec<_> = (0..3)
-        .map(|_| spawn_send(&b_app, post("/pay").key(key)))
-        .collect();
-    for duplicate in &duplicates {
-        still_waiting(duplicate).await;
-    }
+    let duplicates = three_waiting(&b_app, || post("/pay").key(key)).await;
     let to_wait = b.reads();
     assert_eq!(to_wait, 2 * duplicates.len());
     handler.gate.add_permits(1);
     let original = original.await.unwrap();
     assert_eq!(original.body.len(), body_len);
-    for duplicate in duplicates {
-        let duplicate = before_the_bound(duplicate).await;
-        assert!(duplicate.replayed());
-        assert_eq!(
-            (duplicate.status, &duplicate.body),
-            (original.status, &original.body)
-        );
-    }
+    each_gets_the_replay(duplicates, &original).await;
     assert_eq!(handler.executions(), 1);
     (to_wait, b.reads())
 }
@@ -471,6 +447,30 @@ async fn gets_the_replay_once_the_original_answers(
         (waiter.status, &waiter.body),
         (original.status, &original.body)
     );
+}
+
+/// Three requests made by `request`, sent to `app`, each waiting for its original.
+async fn three_waiting(
+    app: &axum::Router,
+    request: impl Fn() -> Req,
+) -> Vec<tokio::task::JoinHandle<Answer>> {
+    let duplicates: Vec<_> = (0..3).map(|_| spawn_send(app, request())).collect();
+    for duplicate in &duplicates {
+        still_waiting(duplicate).await;
+    }
+    duplicates
+}
+
+/// Each duplicate is woken before its bound with the replay of `original`.
+async fn each_gets_the_replay(duplicates: Vec<tokio::task::JoinHandle<Answer>>, original: &Answer) {
+    for duplicate in duplicates {
+        let duplicate = before_the_bound(duplicate).await;
+        assert!(duplicate.replayed());
+        assert_eq!(
+            (duplicate.status, &duplicate.body),
+            (original.status, &original.body)
+        );
+    }
 }
 
 /// The answer of a duplicate, woken before its bound.

@@ -32,7 +32,7 @@ use self::{
     replicas::Replicas,
     subscriber::{Source, Subscriber},
 };
-use super::{Announcements, Claim, Error, Fenced, Result, Store, Watch};
+use super::{Announcements, Claim, Ending, Error, Fenced, Result, Store, Watch};
 use crate::{
     record::{self, completed_len, put_completed},
     ClaimToken, Fingerprint, Record, Scope, StoredResponse,
@@ -621,7 +621,7 @@ impl RedisStore {
     async fn eval_fenced(
         &self,
         script: &Lua,
-        scope: &Scope,
+        key: &str,
         token: ClaimToken,
         extra: &[&[u8]],
         durable: bool,
@@ -629,45 +629,18 @@ impl RedisStore {
         let mut args = Vec::with_capacity(extra.len() + 1);
         args.push(token.as_bytes().as_slice());
         args.extend_from_slice(extra);
-        let key = self.redis_key(scope);
         let applied = self
-            .eval(script, &key, &args, Unawaited::Send, durable)
+            .eval(script, key, &args, Unawaited::Send, durable)
             .await?;
         Ok(fenced(applied))
     }
 
-    /// Wakes this process's waiters on `scope` at once, now that the claim `token` ended
-    /// (other instances hear of it through Redis, and this one again, once): one atomic
-    /// read when nobody waits.
-    fn announce_end(&self, scope: &Scope, token: ClaimToken) {
-        if let Some(announcements) = self.watched_announcements() {
-            announcements.announce_end(&self.redis_key(scope), token);
-        }
-    }
-
-    /// [`announce_end`](Self::announce_end) for a completion: this process's waiters take
-    /// `completed` for the record, and none reads it.
-    fn announce_completed(
-        &self,
-        scope: &Scope,
-        token: ClaimToken,
-        completed: impl FnOnce() -> Claim,
-    ) {
-        if let Some(announcements) = self.watched_announcements() {
-            announcements.announce_completed(&self.redis_key(scope), token, completed);
-        }
-    }
-
-    /// This store's announcements and `scope`'s key on them, if anybody watches a key.
-    fn watched_key(&self, scope: &Scope) -> Option<(&Announcements, String)> {
-        let board = self.watched_announcements()?;
-        Some((board, self.redis_key(scope)))
-    }
-
-    /// This store's announcements, if anybody watches a key on them.
-    fn watched_announcements(&self) -> Option<&Announcements> {
+    /// The end of the claim `token` on `key`, about to be written: this process's waiters
+    /// are told of it once the write returns, whether Redis's message of it arrives
+    /// before or after ([`Announcements::ending`]). One atomic read when nobody waits.
+    fn ending<'a>(&'a self, key: &'a str, token: ClaimToken) -> Option<Ending<'a>> {
         let subscriber = self.subscriber.as_ref()?;
-        Some(subscriber.announcements()).filter(|board| board.anyone_watching())
+        Some(subscriber.announcements().ending(key, token))
     }
 
     /// How many keys this store's requests wait on now, each subscribed to once however
@@ -842,25 +815,18 @@ impl Store for RedisStore {
             (true, Commands::Node(_)) => &*COMPLETE_ANNOUNCED,
             (true, Commands::Cluster(_)) => &*COMPLETE_SHARD_ANNOUNCED,
         };
-        let watched = self.watched_key(scope);
-        let ending = watched
-            .as_ref()
-            .map(|(board, key)| board.ending(key, token));
+        let key = self.redis_key(scope);
+        let ending = self.ending(&key, token);
         let completed = self
-            .eval_fenced(script, scope, token, &[&value, ttl.as_bytes()], true)
+            .eval_fenced(script, &key, token, &[&value, ttl.as_bytes()], true)
             .await?;
-        if completed == Fenced::Applied {
+        if let (Fenced::Applied, Some(ending)) = (completed, ending) {
             // This process's waiters take the record as written, and none reads it.
-            let record = || Claim::Completed {
+            ending.completed(|| Claim::Completed {
                 fingerprint,
                 response: response.clone(),
                 expires_in: Some(ttl_given),
-            };
-            match ending {
-                Some(ending) => ending.completed(record),
-                // Nobody waited when the write began: somebody may since.
-                None => self.announce_completed(scope, token, record),
-            }
+            });
         }
         Ok(completed)
     }
@@ -873,15 +839,10 @@ impl Store for RedisStore {
             (true, Commands::Cluster(_)) => &*RELEASE_SHARD_ANNOUNCED,
         };
         let eval = script_command("EVAL", script, &key, &[token.as_bytes()]);
-        let ending = self
-            .watched_announcements()
-            .map(|board| board.ending(&key, token));
+        let ending = self.ending(&key, token);
         let released = fenced(self.query(eval, &key, Unawaited::Send, false).await?);
-        if released == Fenced::Applied {
-            match ending {
-                Some(ending) => ending.released(),
-                None => self.announce_end(scope, token),
-            }
+        if let (Fenced::Applied, Some(ending)) = (released, ending) {
+            ending.released();
         }
         Ok(released)
     }
@@ -889,7 +850,8 @@ impl Store for RedisStore {
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
         let deadline = deadline(lease).to_be_bytes();
         let lease = millis(lease).to_string();
-        self.eval_fenced(&EXTEND, scope, token, &[lease.as_bytes(), &deadline], false)
+        let key = self.redis_key(scope);
+        self.eval_fenced(&EXTEND, &key, token, &[lease.as_bytes(), &deadline], false)
             .await
     }
 
