@@ -7,19 +7,57 @@ mod support;
 use std::{sync::Arc, time::Duration};
 
 use axum::http::StatusCode;
-use tower_idempotency::{MemoryStore, Store};
+use tower_idempotency::{MemoryStore, PostgresStore, RedisStore, Store};
 
 use support::app::*;
 
-for_each_store!(
-    a_waiting_duplicate_gets_the_replay_of_the_original,
-    a_waiting_duplicate_executes_when_the_original_is_released,
-    after_a_release_one_waiter_executes_and_the_others_get_its_replay,
-    a_waiting_duplicate_executes_when_the_holder_crashed,
-    past_its_bound_a_duplicate_gets_the_conflict,
-    beyond_the_cap_duplicates_get_the_conflict_at_once,
-    a_key_reused_with_other_parameters_never_waits,
-);
+/// Runs every case through `$runner` (a macro that takes the cases' names).
+macro_rules! every_case {
+    ($runner:ident) => {
+        $runner!(
+            a_waiting_duplicate_gets_the_replay_of_the_original,
+            a_waiting_duplicate_executes_when_the_original_is_released,
+            after_a_release_one_waiter_executes_and_the_others_get_its_replay,
+            a_waiting_duplicate_executes_when_the_holder_crashed,
+            past_its_bound_a_duplicate_gets_the_conflict,
+            beyond_the_cap_duplicates_get_the_conflict_at_once,
+            a_key_reused_with_other_parameters_never_waits,
+        );
+    };
+}
+
+every_case!(for_each_store);
+
+/// The same cases on stores that announce their outcomes (Redis pub/sub, PostgreSQL
+/// `NOTIFY`), whose waiters are woken rather than left to read their keys again, as
+/// `announcing_redis::case` and so on. (The stores above announce nothing: their waiters
+/// poll.)
+macro_rules! on_announcing_stores {
+    ($($case:ident),* $(,)?) => {
+        mod announcing {
+            on_announcing!(redis, crate::support::redis_store; $($case),*);
+            on_announcing!(redis_cluster, crate::support::cluster_store; $($case),*);
+            on_announcing!(redis_sentinel, crate::support::sentinel_store; $($case),*);
+            on_announcing!(postgres, |_| crate::support::postgres_store(); $($case),*);
+        }
+    };
+}
+
+/// The cases as `$module::case`, each on the store that `$open(case name)` opens, made to
+/// announce its outcomes.
+macro_rules! on_announcing {
+    ($module:ident, $open:expr; $($case:ident),*) => {
+        mod $module {
+            $(#[tokio::test]
+            async fn $case() {
+                let store = ($open)(stringify!($case)).await;
+                super::super::$case(std::sync::Arc::new(store.announce_outcomes())).await
+            })*
+        }
+    };
+}
+
+every_case!(on_announcing_stores);
 
 const BOUND: Duration = Duration::from_secs(10);
 
@@ -176,12 +214,70 @@ async fn a_key_reused_with_other_parameters_never_waits(store: Arc<dyn Store>) {
     assert_eq!(handler.executions(), 1);
 }
 
+/// A store and how many keys its waiters watch now.
+enum Watching {
+    Memory(MemoryStore),
+    Redis(RedisStore),
+    Postgres(PostgresStore),
+}
+
+impl Watching {
+    fn store(&self) -> Arc<dyn Store> {
+        match self {
+            Self::Memory(store) => Arc::new(store.clone()),
+            Self::Redis(store) => Arc::new(store.clone()),
+            Self::Postgres(store) => Arc::new(store.clone()),
+        }
+    }
+
+    async fn watched(&self) -> usize {
+        match self {
+            Self::Memory(store) => store.watched(),
+            Self::Redis(store) => store.watched().await,
+            Self::Postgres(store) => store.watched(),
+        }
+    }
+
+    /// Waits (bounded) until nothing is watched, at once in memory: a Redis subscription
+    /// ends in a task of its own.
+    async fn until_nothing_watched(&self) {
+        if let Self::Memory(store) = self {
+            assert_eq!(store.watched(), 0);
+            return;
+        }
+        for _ in 0..200 {
+            if self.watched().await == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("still {} keys watched", self.watched().await);
+    }
+}
+
+#[tokio::test]
+async fn a_waiter_that_goes_away_leaves_nothing_behind_in_memory() {
+    a_waiter_that_goes_away_leaves_nothing_behind(Watching::Memory(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn a_waiter_that_goes_away_leaves_nothing_behind_on_redis() {
+    let store = crate::support::redis_store("waiter-goes-away").await;
+    let watching = Watching::Redis(store.announce_outcomes());
+    a_waiter_that_goes_away_leaves_nothing_behind(watching).await;
+}
+
+#[tokio::test]
+async fn a_waiter_that_goes_away_leaves_nothing_behind_on_postgres() {
+    let store = crate::support::postgres_store().await;
+    let watching = Watching::Postgres(store.announce_outcomes());
+    a_waiter_that_goes_away_leaves_nothing_behind(watching).await;
+}
+
 /// A waiter whose client goes away leaves nothing behind: no watch on the store, no place
 /// among the waiters.
-#[tokio::test]
-async fn a_waiter_that_goes_away_leaves_nothing_behind() {
-    let memory = MemoryStore::new();
-    let store: Arc<dyn Store> = Arc::new(memory.clone());
+async fn a_waiter_that_goes_away_leaves_nothing_behind(watching: Watching) {
+    let store = watching.store();
     let handler = Handler::default();
     let app = router(&handler, waiting_layer(&store).max_waiting(2));
     let original = spawn_send(&app, post_waiting("gone"));
@@ -193,7 +289,7 @@ async fn a_waiter_that_goes_away_leaves_nothing_behind() {
         still_waiting(waiter).await;
     }
     assert_eq!(
-        memory.watched(),
+        watching.watched().await,
         1,
         "one watch per key, shared by its waiters"
     );
@@ -203,7 +299,7 @@ async fn a_waiter_that_goes_away_leaves_nothing_behind() {
     for waiter in waiters {
         assert!(waiter.await.unwrap_err().is_cancelled());
     }
-    assert_eq!(memory.watched(), 0);
+    watching.until_nothing_watched().await;
     // Both places are free again: two new duplicates wait.
     let waiters: Vec<_> = (0..2)
         .map(|_| spawn_send(&app, post("/pay").key("gone")))
@@ -216,7 +312,7 @@ async fn a_waiter_that_goes_away_leaves_nothing_behind() {
     for waiter in waiters {
         assert!(waiter.await.unwrap().replayed());
     }
-    assert_eq!(memory.watched(), 0);
+    watching.until_nothing_watched().await;
     assert_eq!(handler.executions(), 1);
 }
 
