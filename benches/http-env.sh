@@ -7,6 +7,8 @@ harness=${HARNESS:-$root/../shared/bench}
 work=${BENCH_WORK:-$root/target/http-bench}
 port=${BENCH_REDIS_PORT:-6391}
 mkdir -p "$work"
+# Without wrk the harness measures nothing and still prints a table, of zeros.
+command -v wrk >/dev/null || { echo "the HTTP benchmarks need wrk (apt-get install wrk)" >&2; exit 1; }
 
 cargo build --release --example payments --manifest-path "$root/Cargo.toml"
 cp "$root/target/release/examples/payments" "$work/payments"
