@@ -69,6 +69,9 @@ macro_rules! across_instances {
 
 across_instances!(
     postgres: a_duplicate_on_another_instance_gets_the_replay,
+    the_duplicates_on_another_instance_are_handed_the_record,
+    a_record_over_a_kib_is_read_once_for_the_duplicates,
+    a_record_too_large_to_announce_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
     each_instance_hears_the_end_of_a_claim_once,
@@ -249,7 +252,7 @@ async fn a_duplicate_on_another_instance_gets_the_replay(instances: Instances) {
     assert_eq!(handler.executions(), 1);
 }
 
-/// The completion's announcement carries its record (Redis): the duplicates waiting on B
+/// The completion's announcement carries its record: the duplicates waiting on B
 /// take it from there, and B reads the key only as it did to begin waiting (each
 /// duplicate once to find it in progress, and once more once watching).
 async fn the_duplicates_on_another_instance_are_handed_the_record(instances: Instances) {
@@ -264,7 +267,14 @@ async fn a_larger_record_is_handed_to_the_duplicates_that_listen(instances: Inst
     assert_eq!(after, to_wait, "a duplicate read the key");
 }
 
-/// A record too large for the announcement to carry (over 64 KiB) is read once for all
+/// PostgreSQL's notification carries no record over 1 KiB: it is read once for all the
+/// duplicates waiting on B.
+async fn a_record_over_a_kib_is_read_once_for_the_duplicates(instances: Instances) {
+    let (to_wait, after) = reads_of_duplicates_on_b(instances, "over-a-kib", 2_000).await;
+    assert_eq!(after, to_wait + 1);
+}
+
+/// A record too large for any announcement to carry (over 64 KiB) is read once for all
 /// the duplicates waiting on B.
 async fn a_record_too_large_to_announce_is_read_once_for_the_duplicates(instances: Instances) {
     let (to_wait, after) = reads_of_duplicates_on_b(instances, "large", 70_000).await;

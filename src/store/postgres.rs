@@ -55,14 +55,18 @@ const PURGE_BATCH: i64 = 1000;
 ///   **release** notify the table's channel ([`notification_channel`](Self::notification_channel)) in
 ///   the same statement, and a store opened with [`connect`](Self::connect) listens on one
 ///   connection of its own (not from the pool), opened when a request first waits and
-///   opened again with backoff if it fails while requests wait. A store made with
+///   opened again with backoff if it fails while requests wait. A completion whose record
+///   is at most 1 KiB carries it in its notification, and the waiters of every instance
+///   answer from there; for a larger one, one waiter per instance reads the key for all
+///   its waiters. A store made with
 ///   [`new`](Self::new) from a pool cannot open one: its waiters read the key again
 ///   (every 20 ms, doubling up to 200 ms), as they do while the listening connection is
 ///   down.
 ///
 /// Notifying has costs to weigh on a busy table: PostgreSQL serializes the commits of
 /// transactions that notify, and every listening instance receives every completion and
-/// release of the table (64 bytes each), waited for or not.
+/// release of the table, waited for or not: 96 bytes each, and up to about 1.5 KB for a
+/// completion that carries its record.
 ///
 /// Run [`migrate`](Self::migrate) once (it is idempotent) or apply
 /// [`migration_sql`](Self::migration_sql) with your migration tool.
@@ -516,7 +520,8 @@ impl PostgresStore {
     /// (`idempotency_` and a digest of the table's qualified name, the same in every
     /// instance), each with the hex SHA-256 of the scope's
     /// [`storage_key`](Scope::storage_key) as its payload, followed by the hex of the
-    /// token of the claim that ended.
+    /// token of the claim that ended and, for a completion whose record is at most 1 KiB,
+    /// the record (in base64, after the milliseconds it is kept for).
     pub fn notification_channel(&self) -> &str {
         self.listener.channel()
     }
@@ -525,14 +530,6 @@ impl PostgresStore {
     /// on it).
     pub fn watched(&self) -> usize {
         self.listener.watched()
-    }
-
-    /// What completing or releasing `key` (a payload) with `token` notifies, if anything.
-    fn notification(&self, key: &str, token: ClaimToken) -> String {
-        match self.announce {
-            true => listener::end_of(key, token),
-            false => String::new(),
-        }
     }
 
     /// The statements a request runs, as this store's settings choose them: its claim, then
@@ -990,7 +987,10 @@ impl Store for PostgresStore {
         }
         let status = response.status.as_u16() as i16;
         let key = listener::payload(scope);
-        let notification = self.notification(&key, token);
+        let notification = match self.announce {
+            true => listener::completion_of(&key, token, &fingerprint, response, ttl),
+            false => String::new(),
+        };
         let resource_id = self.resource_id.extract(response);
         let params: [&(dyn ToSql + Sync); 11] = [
             &scope.key().as_str(),
@@ -1021,7 +1021,10 @@ impl Store for PostgresStore {
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
         let key = listener::payload(scope);
-        let notification = self.notification(&key, token);
+        let notification = match self.announce {
+            true => listener::end_of(&key, token),
+            false => String::new(),
+        };
         let params: [&(dyn ToSql + Sync); 5] = [
             &scope.key().as_str(),
             &scope.endpoint(),

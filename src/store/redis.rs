@@ -901,17 +901,7 @@ fn remaining(deadline: u64) -> Duration {
 /// ([`ANNOUNCED_VALUE_MAX`]); `None` for anything else.
 fn announced_record(value: &[u8]) -> Option<Claim> {
     let (record, deadline) = split_value(value.to_vec()).ok()?;
-    match Record::decode(record).ok()? {
-        Record::Completed {
-            fingerprint,
-            response,
-        } => Some(Claim::Completed {
-            fingerprint,
-            response,
-            expires_in: deadline.map(remaining),
-        }),
-        Record::InProgress { .. } => None,
-    }
+    Claim::announced(Record::decode(record).ok()?, deadline.map(remaining))
 }
 
 fn unexpected(reply: &impl fmt::Debug) -> Error {

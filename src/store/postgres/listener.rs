@@ -2,9 +2,10 @@
 //! keeps one connection of its own that `LISTEN`s on its table's channel.
 //!
 //! The statements that complete and release a key notify the table's channel in the same
-//! statement, with the key's [`payload`] and the ended claim's token ([`end_of`]), so a
-//! notification goes out exactly when the write is committed, and the store that made it
-//! and announced it at once hears it once. The listener opens its connection at the first watch, confirms `LISTEN`
+//! statement, with the key's [`payload`] and the ended claim's token ([`end_of`]), and a
+//! small completed record itself ([`completion_of`]), so a notification goes out exactly
+//! when the write is committed, the waiters of every instance are handed a small record
+//! without reading it, and the store that made it and announced it at once hears it once. The listener opens its connection at the first watch, confirms `LISTEN`
 //! before that watch is handed out, and relays every notification on the channel to the
 //! store's [`Announcements`]. A connection that fails is opened again with backoff while
 //! anybody watches; once it listens again, every watched key is announced, since what was
@@ -21,13 +22,16 @@ use std::{
     time::{Duration, Instant},
 };
 
+use base64::{engine::general_purpose::STANDARD, Engine as _};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use sha2::{Digest, Sha256};
 use tokio::{sync::watch, task::JoinHandle};
 use tokio_postgres::{tls::NoTlsStream, AsyncMessage, Config, Connection, NoTls, Socket};
 
 use crate::{
-    store::{Announcements, Ending, Watch},
-    ClaimToken, Scope,
+    record::{completed_len, put_completed, Record, StoredResponse},
+    store::{Announcements, Claim, Ending, Watch},
+    ClaimToken, Fingerprint, Scope,
 };
 
 /// How long opening the listening connection may take, and then confirming `LISTEN`.
@@ -47,6 +51,12 @@ const LAST_BACKOFF: Duration = Duration::from_secs(2);
 /// watches any more when they have doubled since the last sweep (and are at least this
 /// many): they stay within twice the watched keys.
 const MIN_SWEEP_LEN: usize = 64;
+/// The largest completed record a completion's notification carries (before base64): the
+/// waiters of another instance take it from there rather than one of them reading the key.
+/// A larger one is left to that read: every notification goes through one queue in the
+/// server (each under 8000 bytes), and the commits that add to it are serialized, so
+/// copying a large record there would cost every announced completion, listened to or not.
+const NOTIFIED_RECORD_MAX: usize = 1024;
 
 /// The channel of `table`'s notifications (its schema-qualified name): a plain identifier,
 /// well within PostgreSQL's 63 bytes, the same in every instance.
@@ -76,16 +86,70 @@ pub(super) fn end_of(key: &str, token: ClaimToken) -> String {
     payload
 }
 
-/// The key a notification's payload names, and the claim whose end it tells where it
-/// names one (an instance of an earlier version names none).
-fn heard(payload: &str) -> (&str, Option<ClaimToken>) {
-    let named = payload.split_at_checked(64).filter(|(_, token)| {
-        token.len() == 32 && token.bytes().all(|byte| byte.is_ascii_hexdigit())
-    });
-    match named.and_then(|(key, token)| Some((key, u128::from_str_radix(token, 16).ok()?))) {
-        Some((key, token)) => (key, Some(ClaimToken::from_bytes(token.to_be_bytes()))),
-        None => (payload, None),
+/// What the notification of the completion of the claim `token` on `key` (a [`payload`])
+/// carries: its [`end_of`], followed by the record when it is small
+/// ([`NOTIFIED_RECORD_MAX`]), in base64, after the milliseconds it is kept for.
+pub(super) fn completion_of(
+    key: &str,
+    token: ClaimToken,
+    fingerprint: &Fingerprint,
+    response: &StoredResponse,
+    ttl: Duration,
+) -> String {
+    let mut payload = end_of(key, token);
+    let record_len = completed_len(response);
+    if record_len <= NOTIFIED_RECORD_MAX {
+        let mut record = BytesMut::with_capacity(8 + record_len);
+        record.put_u64(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+        put_completed(&mut record, fingerprint, response);
+        STANDARD.encode_string(&record, &mut payload);
     }
+    payload
+}
+
+/// What a notification's payload tells.
+#[derive(Debug, PartialEq)]
+enum Heard<'a> {
+    /// A change to `key`, from an instance of an earlier version that names no claim.
+    Changed(&'a str),
+    /// The end of the claim `token` on `key`, with the completed record when it carries
+    /// one (in base64).
+    Ended {
+        key: &'a str,
+        token: ClaimToken,
+        record: Option<&'a str>,
+    },
+}
+
+/// What `payload` tells: a key, then the claim that ended and the record where it names
+/// them.
+fn heard(payload: &str) -> Heard<'_> {
+    let named = payload
+        .split_at_checked(64)
+        .and_then(|(key, rest)| Some((key, rest.split_at_checked(32)?)))
+        .filter(|(_, (token, _))| token.bytes().all(|byte| byte.is_ascii_hexdigit()));
+    let Some((key, (token, record))) = named else {
+        return Heard::Changed(payload);
+    };
+    match u128::from_str_radix(token, 16) {
+        Ok(token) => Heard::Ended {
+            key,
+            token: ClaimToken::from_bytes(token.to_be_bytes()),
+            record: Some(record).filter(|record| !record.is_empty()),
+        },
+        Err(_) => Heard::Changed(payload),
+    }
+}
+
+/// The completed record a notification carries ([`completion_of`]); `None` for anything
+/// else.
+fn notified_record(record: &str) -> Option<Claim> {
+    let mut bytes = Bytes::from(STANDARD.decode(record).ok()?);
+    if bytes.len() < 8 {
+        return None;
+    }
+    let ttl = Duration::from_millis(bytes.get_u64());
+    Claim::announced(Record::decode(bytes).ok()?, Some(ttl))
 }
 
 fn push_hex(out: &mut String, bytes: &[u8]) {
@@ -294,6 +358,26 @@ impl Shared {
         }
     }
 
+    /// Announces what a notification's `payload` tells. A record it carries is decoded only
+    /// for a key somebody watches: a watch made later reads the key, and finds it.
+    fn relay(&self, payload: &str) {
+        let announcements = &self.announcements;
+        match heard(payload) {
+            Heard::Ended {
+                key,
+                token,
+                record: Some(record),
+            } if announcements.anyone_watching() && announcements.is_watched(key) => {
+                match notified_record(record) {
+                    Some(completed) => announcements.announce_completed(key, token, || completed),
+                    None => announcements.announce_end(key, token),
+                }
+            }
+            Heard::Ended { key, token, .. } => announcements.announce_end(key, token),
+            Heard::Changed(key) => announcements.announce(key),
+        }
+    }
+
     /// Forgets the keys nobody watches any more.
     fn sweep(&self, remembered: &mut Remembered) {
         remembered
@@ -392,10 +476,7 @@ async fn relay(shared: &Shared, connection: &mut Connection<Socket, NoTlsStream>
         match poll_fn(|cx| connection.poll_message(cx)).await {
             Some(Ok(AsyncMessage::Notification(notification))) => {
                 if notification.channel() == shared.channel {
-                    match heard(notification.payload()) {
-                        (key, Some(token)) => shared.announcements.announce_end(key, token),
-                        (key, None) => shared.announcements.announce(key),
-                    }
+                    shared.relay(notification.payload());
                 }
             }
             Some(Ok(AsyncMessage::Notice(notice))) => {
@@ -459,11 +540,81 @@ mod tests {
     fn a_notification_names_the_key_and_the_claim_that_ended() {
         let key = "ab".repeat(32);
         let token = ClaimToken::unique();
-        assert_eq!(heard(&end_of(&key, token)), (key.as_str(), Some(token)));
+        let ended = Heard::Ended {
+            key: &key,
+            token,
+            record: None,
+        };
+        assert_eq!(heard(&end_of(&key, token)), ended);
         // From an instance that names no claim, or names it otherwise: the key alone.
-        assert_eq!(heard(&key), (key.as_str(), None));
+        assert_eq!(heard(&key), Heard::Changed(&key));
         let odd = format!("{key}{}", "g".repeat(32));
-        assert_eq!(heard(&odd), (odd.as_str(), None));
+        assert_eq!(heard(&odd), Heard::Changed(&odd));
+    }
+
+    fn response(body_len: usize) -> StoredResponse {
+        let mut headers = http::HeaderMap::new();
+        headers.insert("content-type", "application/json".parse().unwrap());
+        StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers,
+            body: Bytes::from(vec![b'x'; body_len]),
+            trailers: None,
+        }
+    }
+
+    #[test]
+    fn a_small_completion_carries_its_record() {
+        let key = "cd".repeat(32);
+        let token = ClaimToken::unique();
+        let fingerprint = Fingerprint::from_bytes([7; 32]);
+        let sent = response(300);
+        let payload = completion_of(&key, token, &fingerprint, &sent, Duration::from_secs(60));
+        let Heard::Ended {
+            key: heard_key,
+            token: heard_token,
+            record: Some(record),
+        } = heard(&payload)
+        else {
+            panic!("no record in {payload:?}");
+        };
+        assert_eq!((heard_key, heard_token), (key.as_str(), token));
+        match notified_record(record) {
+            Some(Claim::Completed {
+                fingerprint: got,
+                response,
+                expires_in,
+            }) => {
+                assert_eq!(got, fingerprint);
+                assert_eq!(response.status, sent.status);
+                assert_eq!(response.headers, sent.headers);
+                assert_eq!(response.body, sent.body);
+                assert_eq!(expires_in, Some(Duration::from_secs(60)));
+            }
+            other => panic!("{other:?}"),
+        }
+        // PostgreSQL refuses payloads of 8000 bytes and more.
+        let largest = (0..2048)
+            .map(|len| completion_of(&key, token, &fingerprint, &response(len), Duration::MAX))
+            .map(|payload| payload.len())
+            .max();
+        assert!(largest < Some(8000), "{largest:?}");
+    }
+
+    #[test]
+    fn a_large_completion_names_only_the_claim() {
+        let key = "ef".repeat(32);
+        let token = ClaimToken::unique();
+        let fingerprint = Fingerprint::from_bytes([7; 32]);
+        let payload = completion_of(&key, token, &fingerprint, &response(2000), Duration::MAX);
+        assert_eq!(payload, end_of(&key, token));
+    }
+
+    #[test]
+    fn a_record_that_does_not_decode_is_no_record() {
+        assert!(notified_record("not base64!").is_none());
+        assert!(notified_record(&STANDARD.encode([0u8; 4])).is_none());
+        assert!(notified_record(&STANDARD.encode([0u8; 20])).is_none());
     }
 
     #[tokio::test]
