@@ -470,8 +470,11 @@ impl IdempotencyLayer {
         not(feature = "postgres"),
         doc = "`PostgresStore::announce_outcomes`);"
     )]
-    /// the waiters one announcement wakes read the key once between them. A store that announces nothing (one made from a bare connection
-    /// or pool, or a store of one's own) is read again every 20 ms, doubling up to 200 ms.
+    /// the waiters one announcement wakes read the key once between them, or none reads it
+    /// where the announcement carries the record (on the original's instance, and on
+    /// others for a small record). A store that announces nothing (one made from a bare
+    /// connection or pool, or a store of one's own) is read again every 20 ms, doubling up
+    /// to 200 ms.
     /// Every waiter also reads its key again when the holder's lease would run out.
     /// At most [`max_waiting`](Self::max_waiting) requests wait at once; a waiter whose
     /// client goes away leaves nothing behind. Default: no waiting.

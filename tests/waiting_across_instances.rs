@@ -288,6 +288,17 @@ async fn reads_of_duplicates_on_b(
     key: &str,
     body_len: usize,
 ) -> (usize, usize) {
+    reads_of_duplicates_on_b_after(instances, key, body_len, async |_| {}).await
+}
+
+/// As [`reads_of_duplicates_on_b`], with `meanwhile` run while they wait, before the
+/// original answers.
+async fn reads_of_duplicates_on_b_after(
+    instances: Instances,
+    key: &str,
+    body_len: usize,
+    meanwhile: impl AsyncFnOnce(&ReadsCounted),
+) -> (usize, usize) {
     let b = Arc::new(ReadsCounted::new(instances.b.clone()));
     let instances = Instances {
         b: b.clone(),
@@ -302,6 +313,7 @@ async fn reads_of_duplicates_on_b(
     let duplicates = three_waiting(&b_app, || post("/pay").key(key)).await;
     let to_wait = b.reads();
     assert_eq!(to_wait, 2 * duplicates.len());
+    meanwhile(&b).await;
     handler.gate.add_permits(1);
     let original = original.await.unwrap();
     assert_eq!(original.body.len(), body_len);
@@ -570,6 +582,58 @@ async fn postgres_on(qualified: &str) -> PostgresStore {
         .table(schema, table)
         .unwrap()
         .announce_outcomes()
+}
+
+/// PostgreSQL checks no privilege for `NOTIFY`: any role that can connect may notify a
+/// table's channel. A notification made up for a key requests wait on (the channel shows
+/// only its digest), carrying a record not sealed for the key, makes one of them read the
+/// key for the others and hands them nothing: they wait on, and get the original's own
+/// replay.
+#[tokio::test]
+async fn postgres_a_made_up_record_is_never_replayed() {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    let instances = postgres().await;
+    let Held::Postgres(store_b) = &instances.held_by_b else {
+        unreachable!("a PostgreSQL store")
+    };
+    let channel = store_b.notification_channel().to_owned();
+    let digest = sha2::Sha256::digest(scope("made-up").storage_key().as_bytes());
+    let digest: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
+    // A token, then a record in the form a sealed one takes once opened (its expiry, then
+    // the record): were it taken, the duplicates would answer with it.
+    let made_up = tower_idempotency::Record::Completed {
+        fingerprint: Fingerprint::from_bytes([0; 32]),
+        response: StoredResponse {
+            status: StatusCode::OK,
+            headers: Default::default(),
+            body: "made up".into(),
+            trailers: None,
+        },
+    };
+    let mut record = u64::MAX.to_be_bytes().to_vec();
+    record.extend_from_slice(&made_up.encode());
+    let record = base64::engine::general_purpose::STANDARD.encode(record);
+    let payload = format!("{digest}{:032x}{record}", 7u128);
+    let notify = async |b: &ReadsCounted| {
+        let before = b.reads();
+        let url = support::database_url();
+        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let notify = "SELECT pg_notify($1, $2)";
+        client.execute(notify, &[&channel, &payload]).await.unwrap();
+        for _ in 0..200 {
+            if b.reads() > before {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let (to_wait, after) = reads_of_duplicates_on_b_after(instances, "made-up", 10, notify).await;
+    // Read once for the made-up end of the claim; the original's record was handed over.
+    assert_eq!(after, to_wait + 1);
 }
 
 /// The listener relays its own table's notifications, not another's: the same scope

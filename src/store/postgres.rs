@@ -1,6 +1,7 @@
 //! The PostgreSQL store: a durable record of every deduplicated operation.
 
 mod listener;
+mod notification;
 mod resource_id;
 
 use std::{fmt, sync::Arc, time::Duration};
@@ -55,10 +56,12 @@ const PURGE_BATCH: i64 = 1000;
 ///   **release** notify the table's channel ([`notification_channel`](Self::notification_channel)) in
 ///   the same statement, and a store opened with [`connect`](Self::connect) listens on one
 ///   connection of its own (not from the pool), opened when a request first waits and
-///   opened again with backoff if it fails while requests wait. A completion whose record
-///   is at most 1 KiB carries it in its notification, and the waiters of every instance
-///   answer from there; for a larger one, one waiter per instance reads the key for all
-///   its waiters. A store made with
+///   opened again with backoff if it fails while requests wait. The waiters on the
+///   original's instance are handed the record it wrote. A completion whose record is at
+///   most 1 KiB carries it in its notification, sealed, and the waiters of other instances
+///   answer from there too; for a larger one, one waiter per instance reads the key for
+///   the others (with [`count_replays`](Self::count_replays), each waiter reads: each
+///   replay is counted). A store made with
 ///   [`new`](Self::new) from a pool cannot open one: its waiters read the key again
 ///   (every 20 ms, doubling up to 200 ms), as they do while the listening connection is
 ///   down.
@@ -67,6 +70,13 @@ const PURGE_BATCH: i64 = 1000;
 /// transactions that notify, and every listening instance receives every completion and
 /// release of the table, waited for or not: 96 bytes each, and up to about 1.5 KB for a
 /// completion that carries its record.
+///
+/// PostgreSQL checks no privilege for `LISTEN` or `NOTIFY`: any role that can connect to
+/// the database can hear the channel, and notify on it. A notification names its key by a
+/// digest, and seals the record it carries (ChaCha20-Poly1305) with a key derived from the
+/// scope's storage key, which holds the client's idempotency key: such a role can read no
+/// record unless it knows the idempotency key, and a notification it makes up wakes the
+/// waiters to read the key, never hands them a response.
 ///
 /// Run [`migrate`](Self::migrate) once (it is idempotent) or apply
 /// [`migration_sql`](Self::migration_sql) with your migration tool.
@@ -274,6 +284,12 @@ impl PostgresStore {
     /// instance that shares the table. PostgreSQL serializes the commits of transactions
     /// that notify, so it is off by default: a store without it hands out no watch, and its
     /// waiters read their key again every 20 ms, doubling up to 200 ms.
+    ///
+    /// A completion whose record is at most 1 KiB carries it in its notification
+    /// ([`notification_channel`](Self::notification_channel)), which a listener of an
+    /// earlier release of this crate does not recognise: during a rolling upgrade, the
+    /// waiters of instances not yet upgraded wait out the holder's lease or their bound for
+    /// such completions (then read the key, or answer `409`), and nothing runs twice.
     ///
     /// # Example
     ///
@@ -521,7 +537,8 @@ impl PostgresStore {
     /// instance), each with the hex SHA-256 of the scope's
     /// [`storage_key`](Scope::storage_key) as its payload, followed by the hex of the
     /// token of the claim that ended and, for a completion whose record is at most 1 KiB,
-    /// the record (in base64, after the milliseconds it is kept for).
+    /// the record with its expiry, sealed for the scope (a random nonce, then the
+    /// ChaCha20-Poly1305 ciphertext bound to the key and the token, in base64).
     pub fn notification_channel(&self) -> &str {
         self.listener.channel()
     }
@@ -706,7 +723,7 @@ const ADDED_COLUMNS: [&str; 3] = ["resource_id", "replay_count", "last_replayed_
 impl Table {
     fn new(schema: &str, table: &str) -> Self {
         let name = format!("{schema}.{table}");
-        let channel = listener::channel(&name);
+        let channel = notification::channel(&name);
         let migration = Migration::new(schema, table);
         let [_, expires_at, resource_id] = index_names(schema, table);
         let indexes = [
@@ -986,9 +1003,13 @@ impl Store for PostgresStore {
             put_headers(&mut headers, trailers);
         }
         let status = response.status.as_u16() as i16;
-        let key = listener::payload(scope);
+        let key = notification::key_of(scope);
         let notification = match self.announce {
-            true => listener::completion_of(&key, token, &fingerprint, response, ttl),
+            true => {
+                let seal = notification::Seal::of(scope);
+                let completed = (&fingerprint, response);
+                notification::completion_of(&key, token, &seal, completed, ttl)
+            }
             false => String::new(),
         };
         let resource_id = self.resource_id.extract(response);
@@ -1020,9 +1041,9 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
-        let key = listener::payload(scope);
+        let key = notification::key_of(scope);
         let notification = match self.announce {
-            true => listener::end_of(&key, token),
+            true => notification::end_of(&key, token),
             false => String::new(),
         };
         let params: [&(dyn ToSql + Sync); 5] = [
@@ -1057,7 +1078,11 @@ impl Store for PostgresStore {
         if !self.announce {
             return Ok(None);
         }
-        let watch = self.listener.watch(&listener::payload(scope)).await;
+        let key = notification::key_of(scope);
+        let watch = self
+            .listener
+            .watch(&key, notification::Seal::of(scope))
+            .await;
         // Each replay a waiter is served must be read, to be counted.
         Ok(match watch {
             Some(watch) if self.count_replays => Some(watch.reading_alone()),

@@ -2,18 +2,17 @@
 //! keeps one connection of its own that `LISTEN`s on its table's channel.
 //!
 //! The statements that complete and release a key notify the table's channel in the same
-//! statement, with the key's [`payload`] and the ended claim's token ([`end_of`]), and a
-//! small completed record itself ([`completion_of`]), so a notification goes out exactly
-//! when the write is committed, the waiters of every instance are handed a small record
-//! without reading it, and the store that made it and announced it at once hears it once. The listener opens its connection at the first watch, confirms `LISTEN`
-//! before that watch is handed out, and relays every notification on the channel to the
-//! store's [`Announcements`]. A connection that fails is opened again with backoff while
-//! anybody watches; once it listens again, every watched key is announced, since what was
-//! notified in between is lost and its waiters must read their keys again.
+//! statement (what they say: [`notification`](super::notification)), so a notification
+//! goes out exactly when the write is committed, and the store that made it and announced
+//! it at once hears it once. The listener opens its connection at the first watch, confirms
+//! `LISTEN` before that watch is handed out, and relays every notification on the channel
+//! to the store's [`Announcements`], opening the records of the keys watched here. A
+//! connection that fails is opened again with backoff while anybody watches; once it
+//! listens again, every watched key is announced, since what was notified in between is
+//! lost and its waiters must read their keys again.
 
 use std::{
-    collections::HashSet,
-    fmt::Write as _,
+    collections::HashMap,
     future::poll_fn,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -22,16 +21,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use base64::{engine::general_purpose::STANDARD, Engine as _};
-use bytes::{Buf, BufMut, Bytes, BytesMut};
-use sha2::{Digest, Sha256};
 use tokio::{sync::watch, task::JoinHandle};
 use tokio_postgres::{tls::NoTlsStream, AsyncMessage, Config, Connection, NoTls, Socket};
 
+use super::notification::{heard, Heard, Seal};
 use crate::{
-    record::{completed_len, put_completed, Record, StoredResponse},
-    store::{Announcements, Claim, Ending, Watch},
-    ClaimToken, Fingerprint, Scope,
+    store::{Announcements, Ending, Watch},
+    ClaimToken,
 };
 
 /// How long opening the listening connection may take, and then confirming `LISTEN`.
@@ -51,113 +47,6 @@ const LAST_BACKOFF: Duration = Duration::from_secs(2);
 /// watches any more when they have doubled since the last sweep (and are at least this
 /// many): they stay within twice the watched keys.
 const MIN_SWEEP_LEN: usize = 64;
-/// The largest completed record a completion's notification carries (before base64): the
-/// waiters of another instance take it from there rather than one of them reading the key.
-/// A larger one is left to that read: every notification goes through one queue in the
-/// server (each under 8000 bytes), and the commits that add to it are serialized, so
-/// copying a large record there would cost every announced completion, listened to or not.
-const NOTIFIED_RECORD_MAX: usize = 1024;
-
-/// The channel of `table`'s notifications (its schema-qualified name): a plain identifier,
-/// well within PostgreSQL's 63 bytes, the same in every instance.
-pub(super) fn channel(table: &str) -> String {
-    let mut channel = String::from("idempotency_");
-    push_hex(&mut channel, &Sha256::digest(table.as_bytes())[..16]);
-    channel
-}
-
-/// What a notification carries for `scope`, and the key its watches are made on: the hex
-/// SHA-256 of its storage key, 64 bytes however long the scope.
-pub(super) fn payload(scope: &Scope) -> String {
-    let mut payload = String::with_capacity(64);
-    push_hex(
-        &mut payload,
-        &Sha256::digest(scope.storage_key().as_bytes()),
-    );
-    payload
-}
-
-/// What the notification of the end of the claim `token` on `key` (a [`payload`]) carries:
-/// the key, then the token in hex.
-pub(super) fn end_of(key: &str, token: ClaimToken) -> String {
-    let mut payload = String::with_capacity(key.len() + 32);
-    payload.push_str(key);
-    push_hex(&mut payload, token.as_bytes());
-    payload
-}
-
-/// What the notification of the completion of the claim `token` on `key` (a [`payload`])
-/// carries: its [`end_of`], followed by the record when it is small
-/// ([`NOTIFIED_RECORD_MAX`]), in base64, after the milliseconds it is kept for.
-pub(super) fn completion_of(
-    key: &str,
-    token: ClaimToken,
-    fingerprint: &Fingerprint,
-    response: &StoredResponse,
-    ttl: Duration,
-) -> String {
-    let mut payload = end_of(key, token);
-    let record_len = completed_len(response);
-    if record_len <= NOTIFIED_RECORD_MAX {
-        let mut record = BytesMut::with_capacity(8 + record_len);
-        record.put_u64(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
-        put_completed(&mut record, fingerprint, response);
-        STANDARD.encode_string(&record, &mut payload);
-    }
-    payload
-}
-
-/// What a notification's payload tells.
-#[derive(Debug, PartialEq)]
-enum Heard<'a> {
-    /// A change to `key`, from an instance of an earlier version that names no claim.
-    Changed(&'a str),
-    /// The end of the claim `token` on `key`, with the completed record when it carries
-    /// one (in base64).
-    Ended {
-        key: &'a str,
-        token: ClaimToken,
-        record: Option<&'a str>,
-    },
-}
-
-/// What `payload` tells: a key, then the claim that ended and the record where it names
-/// them.
-fn heard(payload: &str) -> Heard<'_> {
-    let named = payload
-        .split_at_checked(64)
-        .and_then(|(key, rest)| Some((key, rest.split_at_checked(32)?)))
-        .filter(|(_, (token, _))| token.bytes().all(|byte| byte.is_ascii_hexdigit()));
-    let Some((key, (token, record))) = named else {
-        return Heard::Changed(payload);
-    };
-    match u128::from_str_radix(token, 16) {
-        Ok(token) => Heard::Ended {
-            key,
-            token: ClaimToken::from_bytes(token.to_be_bytes()),
-            record: Some(record).filter(|record| !record.is_empty()),
-        },
-        Err(_) => Heard::Changed(payload),
-    }
-}
-
-/// The completed record a notification carries ([`completion_of`]); `None` for anything
-/// else.
-fn notified_record(record: &str) -> Option<Claim> {
-    let mut bytes = Bytes::from(STANDARD.decode(record).ok()?);
-    if bytes.len() < 8 {
-        return None;
-    }
-    let ttl = Duration::from_millis(bytes.get_u64());
-    Claim::announced(Record::decode(bytes).ok()?, Some(ttl))
-}
-
-fn push_hex(out: &mut String, bytes: &[u8]) {
-    for byte in bytes {
-        // Writing to a `String` cannot fail.
-        let _ = write!(out, "{byte:02x}");
-    }
-}
 
 /// One store's listener: its announcements, and the task that relays the channel's
 /// notifications to them while anybody watches.
@@ -174,7 +63,8 @@ pub(super) struct Listener {
 struct Shared {
     channel: String,
     announcements: Announcements,
-    /// The keys watched, to announce each once the connection listens again.
+    /// The keys watched, to announce each once the connection listens again, and the seals
+    /// of the records their completions carry.
     remembered: Mutex<Remembered>,
     /// When the relaying task last ran, in milliseconds since `epoch`.
     beat: AtomicU64,
@@ -182,7 +72,7 @@ struct Shared {
 }
 
 struct Remembered {
-    keys: HashSet<String>,
+    keys: HashMap<String, Seal>,
     sweep_at_len: usize,
 }
 
@@ -226,7 +116,7 @@ impl Listener {
                 channel,
                 announcements: Announcements::new(),
                 remembered: Mutex::new(Remembered {
-                    keys: HashSet::new(),
+                    keys: HashMap::new(),
                     sweep_at_len: MIN_SWEEP_LEN,
                 }),
                 beat: AtomicU64::new(0),
@@ -246,7 +136,8 @@ impl Listener {
         &self.shared.channel
     }
 
-    /// The end of the claim `token` on `key` (a [`payload`]), which this process is about
+    /// The end of the claim `token` on `key` (a [`key_of`](super::notification::key_of)),
+    /// which this process is about
     /// to write: its notification, heard before the write returns, wakes nobody, and the
     /// write announces it ([`Announcements::ending`]).
     pub(super) fn ending<'a>(&'a self, key: &'a str, token: ClaimToken) -> Ending<'a> {
@@ -258,15 +149,16 @@ impl Listener {
         self.shared.announcements.watched()
     }
 
-    /// A watch on `key` (a [`payload`]) that sees every notification made once this
+    /// A watch on `key` (a [`key_of`](super::notification::key_of)), whose completions'
+    /// records open with `seal`, that sees every notification made once this
     /// returns; `None` when no connection listens (none can be opened, or the store cannot
     /// open one): the waiter then reads its key again by itself.
-    pub(super) async fn watch(&self, key: &str) -> Option<Watch> {
+    pub(super) async fn watch(&self, key: &str, seal: Seal) -> Option<Watch> {
         let config = self.config.as_ref()?;
         // On the board before the listener is asked whether it listens: whatever it relays
         // from then on reaches this watch.
         let watch = self.shared.announcements.watch(key);
-        self.shared.remember(key);
+        self.shared.remember(key, seal);
         let mut status = self.relay(config)?;
         let settled = status.wait_for(|status| *status != Status::Opening);
         let listening = matches!(
@@ -335,15 +227,15 @@ impl Shared {
     }
 
     /// Remembers `key`, watched now, for [`announce_all`](Self::announce_all).
-    fn remember(&self, key: &str) {
+    fn remember(&self, key: &str, seal: Seal) {
         let mut remembered = lock(&self.remembered);
-        if remembered.keys.contains(key) {
+        if remembered.keys.contains_key(key) {
             return;
         }
         if remembered.keys.len() >= remembered.sweep_at_len {
             self.sweep(&mut remembered);
         }
-        remembered.keys.insert(key.to_owned());
+        remembered.keys.insert(key.to_owned(), seal);
     }
 
     /// Announces every watched key: for waiters that may have missed a notification.
@@ -351,15 +243,16 @@ impl Shared {
         let keys: Vec<String> = {
             let mut remembered = lock(&self.remembered);
             self.sweep(&mut remembered);
-            remembered.keys.iter().cloned().collect()
+            remembered.keys.keys().cloned().collect()
         };
         for key in &keys {
             self.announcements.announce(key);
         }
     }
 
-    /// Announces what a notification's `payload` tells. A record it carries is decoded only
-    /// for a key somebody watches: a watch made later reads the key, and finds it.
+    /// Announces what a notification's `payload` tells. A record it carries is opened only
+    /// for a key somebody watches (a watch made later reads the key, and finds it); one that
+    /// does not open (not sealed for this key and claim) is only the end of the claim.
     fn relay(&self, payload: &str) {
         let announcements = &self.announcements;
         match heard(payload) {
@@ -367,8 +260,9 @@ impl Shared {
                 key,
                 token,
                 record: Some(record),
-            } if announcements.anyone_watching() && announcements.is_watched(key) => {
-                match notified_record(record) {
+            } if announcements.anyone_watching() => {
+                let seal = lock(&self.remembered).keys.get(key).cloned();
+                match seal.and_then(|seal| seal.open(&record)) {
                     Some(completed) => announcements.announce_completed(key, token, || completed),
                     None => announcements.announce_end(key, token),
                 }
@@ -382,7 +276,7 @@ impl Shared {
     fn sweep(&self, remembered: &mut Remembered) {
         remembered
             .keys
-            .retain(|key| self.announcements.is_watched(key));
+            .retain(|key, _| self.announcements.is_watched(key));
         remembered.sweep_at_len = (remembered.keys.len() * 2).max(MIN_SWEEP_LEN);
     }
 }
@@ -507,120 +401,17 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::super::notification::{channel, completion_of, key_of, tests::scope};
     use super::*;
-
-    #[test]
-    fn channels_are_plain_identifiers_within_63_bytes() {
-        let long = format!("{}.{}", "s".repeat(63), "t".repeat(63));
-        for table in ["public.idempotency_keys", long.as_str()] {
-            let channel = channel(table);
-            assert!(channel.len() <= 63, "{channel}");
-            assert!(channel
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
-        }
-        assert_ne!(channel("a.b"), channel("a.c"));
-        assert_eq!(channel("a.b"), channel("a.b"));
-    }
-
-    #[test]
-    fn payloads_are_fixed_size_and_tell_scopes_apart() {
-        let scope = |key: &str| {
-            let key = http::HeaderValue::from_str(key).unwrap();
-            let key = crate::IdempotencyKey::parse(&key).unwrap();
-            Scope::new(None, "POST /".into(), key)
-        };
-        let (a, b) = (payload(&scope("a")), payload(&scope(&"b".repeat(255))));
-        assert_eq!((a.len(), b.len()), (64, 64));
-        assert_ne!(a, b);
-        assert_eq!(a, payload(&scope("a")));
-    }
-
-    #[test]
-    fn a_notification_names_the_key_and_the_claim_that_ended() {
-        let key = "ab".repeat(32);
-        let token = ClaimToken::unique();
-        let ended = Heard::Ended {
-            key: &key,
-            token,
-            record: None,
-        };
-        assert_eq!(heard(&end_of(&key, token)), ended);
-        // From an instance that names no claim, or names it otherwise: the key alone.
-        assert_eq!(heard(&key), Heard::Changed(&key));
-        let odd = format!("{key}{}", "g".repeat(32));
-        assert_eq!(heard(&odd), Heard::Changed(&odd));
-    }
-
-    fn response(body_len: usize) -> StoredResponse {
-        let mut headers = http::HeaderMap::new();
-        headers.insert("content-type", "application/json".parse().unwrap());
-        StoredResponse {
-            status: http::StatusCode::CREATED,
-            headers,
-            body: Bytes::from(vec![b'x'; body_len]),
-            trailers: None,
-        }
-    }
-
-    #[test]
-    fn a_small_completion_carries_its_record() {
-        let key = "cd".repeat(32);
-        let token = ClaimToken::unique();
-        let fingerprint = Fingerprint::from_bytes([7; 32]);
-        let sent = response(300);
-        let payload = completion_of(&key, token, &fingerprint, &sent, Duration::from_secs(60));
-        let Heard::Ended {
-            key: heard_key,
-            token: heard_token,
-            record: Some(record),
-        } = heard(&payload)
-        else {
-            panic!("no record in {payload:?}");
-        };
-        assert_eq!((heard_key, heard_token), (key.as_str(), token));
-        match notified_record(record) {
-            Some(Claim::Completed {
-                fingerprint: got,
-                response,
-                expires_in,
-            }) => {
-                assert_eq!(got, fingerprint);
-                assert_eq!(response.status, sent.status);
-                assert_eq!(response.headers, sent.headers);
-                assert_eq!(response.body, sent.body);
-                assert_eq!(expires_in, Some(Duration::from_secs(60)));
-            }
-            other => panic!("{other:?}"),
-        }
-        // PostgreSQL refuses payloads of 8000 bytes and more.
-        let largest = (0..2048)
-            .map(|len| completion_of(&key, token, &fingerprint, &response(len), Duration::MAX))
-            .map(|payload| payload.len())
-            .max();
-        assert!(largest < Some(8000), "{largest:?}");
-    }
-
-    #[test]
-    fn a_large_completion_names_only_the_claim() {
-        let key = "ef".repeat(32);
-        let token = ClaimToken::unique();
-        let fingerprint = Fingerprint::from_bytes([7; 32]);
-        let payload = completion_of(&key, token, &fingerprint, &response(2000), Duration::MAX);
-        assert_eq!(payload, end_of(&key, token));
-    }
-
-    #[test]
-    fn a_record_that_does_not_decode_is_no_record() {
-        assert!(notified_record("not base64!").is_none());
-        assert!(notified_record(&STANDARD.encode([0u8; 4])).is_none());
-        assert!(notified_record(&STANDARD.encode([0u8; 20])).is_none());
-    }
+    use crate::{store::Claim, Fingerprint, StoredResponse};
 
     #[tokio::test]
     async fn a_store_that_cannot_connect_watches_nothing() {
         let listener = Listener::new(None, channel("a.b"));
-        assert!(listener.watch("k").await.is_none());
+        let seal = Seal::of(&scope("k"));
+        assert!(listener.watch("k", seal).await.is_none());
         assert_eq!(listener.watched(), 0);
     }
 
@@ -628,23 +419,68 @@ mod tests {
     fn remembered_keys_stay_within_twice_the_watched() {
         let listener = Listener::new(None, channel("a.b"));
         let shared = &listener.shared;
+        let seal = Seal::of(&scope("k"));
         let kept: Vec<Watch> = (0..10)
             .map(|i| {
                 let key = format!("kept{i}");
                 let watch = shared.announcements.watch(&key);
-                shared.remember(&key);
+                shared.remember(&key, seal.clone());
                 watch
             })
             .collect();
         for i in 0..10_000 {
             let key = format!("gone{i}");
             let watch = shared.announcements.watch(&key);
-            shared.remember(&key);
+            shared.remember(&key, seal.clone());
             drop(watch);
         }
         let remembered = lock(&shared.remembered).keys.len();
         assert!(remembered <= 2 * MIN_SWEEP_LEN, "{remembered}");
         shared.announce_all();
         assert_eq!(lock(&shared.remembered).keys.len(), kept.len());
+    }
+
+    /// A record sealed for the watched scope is handed to its waiters; one sealed for
+    /// another (forged, say) only ends the claim, and they read the key.
+    #[tokio::test]
+    async fn a_record_is_handed_over_only_when_it_opens() {
+        let listener = Listener::new(None, channel("a.b"));
+        let shared = &listener.shared;
+        let (mine, other) = (scope("mine"), scope("other"));
+        let key = key_of(&mine);
+        let fingerprint = Fingerprint::from_bytes([7; 32]);
+        let sent = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: bytes::Bytes::from_static(b"{}"),
+            trailers: None,
+        };
+        for (sealed_for, handed) in [(&mine, true), (&other, false)] {
+            let mut watch = shared.announcements.watch(&key);
+            shared.remember(&key, Seal::of(&mine));
+            let seal = Seal::of(sealed_for);
+            let completed = (&fingerprint, &sent);
+            let ttl = Duration::from_secs(60);
+            shared.relay(&completion_of(
+                &key,
+                ClaimToken::unique(),
+                &seal,
+                completed,
+                ttl,
+            ));
+            tokio::time::timeout(Duration::from_secs(1), watch.announced())
+                .await
+                .expect("woken");
+            let reads = AtomicUsize::new(0);
+            let read = || async {
+                reads.fetch_add(1, Ordering::SeqCst);
+                Ok(Claim::Claimed(ClaimToken::unique()))
+            };
+            let found = watch.read_shared(fingerprint, ttl, read).await.unwrap();
+            assert_eq!(reads.load(Ordering::SeqCst), usize::from(!handed));
+            if handed {
+                assert!(matches!(found, Claim::Completed { response, .. } if response == sent));
+            }
+        }
     }
 }
