@@ -38,7 +38,9 @@ const PURGE_BATCH: i64 = 1000;
 /// `(idempotency_key, endpoint, principal)`, responses as `BYTEA` (byte-exact), the claim
 /// token and `locked_until` for the in-progress lease, `created_at`, `completed_at` and
 /// `expires_at`. All times come from the database's clock, so application servers with
-/// skewed clocks agree.
+/// skewed clocks agree. (One exception, which only decides whether a waiter reads the key:
+/// a record carried in a notification is taken within a minute of its sealing by the
+/// instances' own clocks.)
 ///
 /// - **claim** is one statement: `INSERT … ON CONFLICT DO UPDATE … WHERE <expired>`
 ///   takes a free, expired, or abandoned (lease run out) row, and the same statement returns
@@ -74,9 +76,13 @@ const PURGE_BATCH: i64 = 1000;
 /// PostgreSQL checks no privilege for `LISTEN` or `NOTIFY`: any role that can connect to
 /// the database can hear the channel, and notify on it. A notification names its key by a
 /// digest, and seals the record it carries (ChaCha20-Poly1305) with a key derived from the
-/// scope's storage key, which holds the client's idempotency key: such a role can read no
-/// record unless it knows the idempotency key, and a notification it makes up wakes the
-/// waiters to read the key, never hands them a response.
+/// table and the scope's storage key, which holds the client's idempotency key: such a
+/// role reads no record unless it knows, or guesses, that idempotency key (the digest lets
+/// it test guesses: records are as private as the keys are unpredictable), and a
+/// notification it makes up, or moves to another table or claim, wakes the waiters to read
+/// the key, never hands them a response. One it captured and sends again a minute or more
+/// later is refused too; within the minute it could reach only waiters for the same key,
+/// of a claim made after the record's row was deleted early.
 ///
 /// Run [`migrate`](Self::migrate) once (it is idempotent) or apply
 /// [`migration_sql`](Self::migration_sql) with your migration tool.
@@ -1006,7 +1012,7 @@ impl Store for PostgresStore {
         let key = notification::key_of(scope);
         let notification = match self.announce {
             true => {
-                let seal = notification::Seal::of(scope);
+                let seal = notification::Seal::of(self.listener.channel(), scope);
                 let completed = (&fingerprint, response);
                 notification::completion_of(&key, token, &seal, completed, ttl)
             }
@@ -1081,7 +1087,7 @@ impl Store for PostgresStore {
         let key = notification::key_of(scope);
         let watch = self
             .listener
-            .watch(&key, notification::Seal::of(scope))
+            .watch(&key, notification::Seal::of(self.listener.channel(), scope))
             .await;
         // Each replay a waiter is served must be read, to be counted.
         Ok(match watch {

@@ -410,7 +410,7 @@ mod tests {
     #[tokio::test]
     async fn a_store_that_cannot_connect_watches_nothing() {
         let listener = Listener::new(None, channel("a.b"));
-        let seal = Seal::of(&scope("k"));
+        let seal = Seal::of("a", &scope("k"));
         assert!(listener.watch("k", seal).await.is_none());
         assert_eq!(listener.watched(), 0);
     }
@@ -419,7 +419,7 @@ mod tests {
     fn remembered_keys_stay_within_twice_the_watched() {
         let listener = Listener::new(None, channel("a.b"));
         let shared = &listener.shared;
-        let seal = Seal::of(&scope("k"));
+        let seal = Seal::of("a", &scope("k"));
         let kept: Vec<Watch> = (0..10)
             .map(|i| {
                 let key = format!("kept{i}");
@@ -457,8 +457,8 @@ mod tests {
         };
         for (sealed_for, handed) in [(&mine, true), (&other, false)] {
             let mut watch = shared.announcements.watch(&key);
-            shared.remember(&key, Seal::of(&mine));
-            let seal = Seal::of(sealed_for);
+            shared.remember(&key, Seal::of(&shared.channel, &mine));
+            let seal = Seal::of(&shared.channel, sealed_for);
             let completed = (&fingerprint, &sent);
             let ttl = Duration::from_secs(60);
             shared.relay(&completion_of(

@@ -6,10 +6,11 @@
 //! that the waiters of another instance answer without reading the key. PostgreSQL checks
 //! no privilege for `LISTEN` or `NOTIFY`: any role that can connect to the database hears
 //! the channel, and can notify on it. The record is therefore sealed (ChaCha20-Poly1305)
-//! with a key derived from the scope's storage key ([`Seal`]), which such a role never sees
-//! (it holds the client's idempotency key): it can neither read a record nor make one that
-//! a waiter takes. A notification that does not open is the end of a claim, no more: the
-//! waiters read the key.
+//! with a key derived from the table and the scope's storage key ([`Seal`]), which such a
+//! role never sees (it holds the client's idempotency key), bound to the claim it ends and
+//! taken only within a minute of its sealing: the role can neither read a record (short of
+//! guessing the idempotency key) nor make one that a waiter takes. A notification that does
+//! not open is the end of a claim, no more: the waiters read the key.
 
 use std::{
     fmt::Write as _,
@@ -36,6 +37,13 @@ use crate::{
 /// the server (each under 8000 bytes), and the commits that add to it are serialized, so
 /// copying a large record there would cost every announced completion, listened to or not.
 pub(super) const NOTIFIED_RECORD_MAX: usize = 1024;
+/// How far apart (by the clocks of the instance that notified and the one that hears) a
+/// record may be sealed and opened: far longer than a notification takes, far shorter than
+/// a record is kept. A record heard later is not taken (the waiters read the key): a
+/// notification heard again, sent by a role that captured it, cannot pass an earlier
+/// claim's record off as the outcome of a later claim on the same key, which must wait for
+/// the record to expire (unless the row is deleted early).
+const FRESH_MS: u64 = 60_000;
 /// The length of what names a key and the claim on it that ended: a digest, then a token,
 /// both in hex.
 const NAMED_LEN: usize = 64 + 32;
@@ -73,15 +81,28 @@ pub(super) fn completion_of(
     key: &str,
     token: ClaimToken,
     seal: &Seal,
+    completed: (&Fingerprint, &StoredResponse),
+    ttl: Duration,
+) -> String {
+    completion_at(unix_millis(), key, token, seal, completed, ttl)
+}
+
+/// [`completion_of`], sealed at `now` (Unix milliseconds): the record follows the time it
+/// was sealed and the milliseconds it is kept for.
+fn completion_at(
+    now: u64,
+    key: &str,
+    token: ClaimToken,
+    seal: &Seal,
     (fingerprint, response): (&Fingerprint, &StoredResponse),
     ttl: Duration,
 ) -> String {
     let mut payload = end_of(key, token);
     let record_len = completed_len(response);
     if record_len <= NOTIFIED_RECORD_MAX {
-        let mut record = BytesMut::with_capacity(8 + record_len);
-        let deadline = unix_millis().saturating_add(ttl.as_millis().try_into().unwrap_or(u64::MAX));
-        record.put_u64(deadline);
+        let mut record = BytesMut::with_capacity(16 + record_len);
+        record.put_u64(now);
+        record.put_u64(ttl.as_millis().try_into().unwrap_or(u64::MAX));
         put_completed(&mut record, fingerprint, response);
         seal.close(&mut payload, &record);
     }
@@ -130,15 +151,18 @@ pub(super) fn heard(payload: &str) -> Heard<'_> {
     }
 }
 
-/// The key that seals the records of one scope's completions in their notifications,
-/// derived from its storage key, which only requests of that scope know.
+/// The key that seals the records of one scope's completions in the notifications of one
+/// channel (one table), derived from both: only requests of that scope know its storage
+/// key, and a record sealed for one table does not open when sent on another's channel.
 #[derive(Clone)]
 pub(super) struct Seal(ChaCha20Poly1305);
 
 impl Seal {
-    pub(super) fn of(scope: &Scope) -> Self {
+    pub(super) fn of(channel: &str, scope: &Scope) -> Self {
         let mut derived = Sha256::new();
         derived.update(b"tower-idempotency notified record\0");
+        derived.update(channel.as_bytes());
+        derived.update(b"\0");
         derived.update(scope.storage_key().as_bytes());
         let key: [u8; 32] = derived.finalize().into();
         Self(ChaCha20Poly1305::new(Key::from_slice(&key)))
@@ -162,9 +186,14 @@ impl Seal {
         STANDARD.encode_string(&out, payload);
     }
 
-    /// The completed record `sealed` carries, if it opens with this seal and has not
-    /// expired; `None` for anything else.
+    /// The completed record `sealed` carries, if it opens with this seal, was sealed
+    /// within [`FRESH_MS`] of now and has not expired; `None` for anything else.
     pub(super) fn open(&self, sealed: &Sealed<'_>) -> Option<Claim> {
+        self.open_at(unix_millis(), sealed)
+    }
+
+    /// [`open`](Self::open) at `now` (Unix milliseconds).
+    fn open_at(&self, now: u64, sealed: &Sealed<'_>) -> Option<Claim> {
         let bytes = STANDARD.decode(sealed.sealed).ok()?;
         let (nonce, msg) = bytes.split_at_checked(NONCE_LEN)?;
         let aad = sealed.named.as_bytes();
@@ -173,12 +202,15 @@ impl Seal {
             .decrypt(Nonce::from_slice(nonce), Payload { msg, aad })
             .ok()?;
         let mut record = Bytes::from(opened);
-        if record.len() < 8 {
+        if record.len() < 16 {
             return None;
         }
-        let deadline = record.get_u64();
-        let left = deadline
-            .checked_sub(unix_millis())
+        let (sealed_at, ttl) = (record.get_u64(), record.get_u64());
+        if sealed_at.abs_diff(now) > FRESH_MS {
+            return None;
+        }
+        let left = ttl
+            .checked_sub(now.saturating_sub(sealed_at))
             .filter(|&left| left > 0)?;
         let left = Duration::from_millis(left);
         Claim::announced(Record::decode(record).ok()?, Some(left))
@@ -250,6 +282,12 @@ pub(super) mod tests {
         assert_eq!(heard(&odd), Heard::Changed(&odd));
     }
 
+    const CHANNEL: &str = "idempotency_test";
+
+    fn seal(scope: &Scope) -> Seal {
+        Seal::of(CHANNEL, scope)
+    }
+
     fn response(body_len: usize, trailers: Option<HeaderMap>) -> StoredResponse {
         let mut headers = HeaderMap::new();
         headers.insert("content-type", "application/grpc".parse().unwrap());
@@ -263,17 +301,19 @@ pub(super) mod tests {
         }
     }
 
-    /// The record the notification of `response`'s completion hands the waiters that
-    /// open it with `seal`.
-    fn notified(
-        scope: &Scope,
+    /// A notification of `sent`'s completion, sealed for `scope` at `sealed_at`, and the
+    /// record it hands the waiters that open it with `seal` at `opened_at` (and its time
+    /// left).
+    fn notified_at(
+        (scope, sealed_at): (&Scope, u64),
         sent: &StoredResponse,
-        seal: &Seal,
+        (seal, opened_at): (&Seal, u64),
     ) -> (String, Option<(StoredResponse, Option<Duration>)>) {
         let (key, token) = (key_of(scope), ClaimToken::unique());
         let fingerprint = Fingerprint::from_bytes([7; 32]);
         let ttl = Duration::from_secs(60);
-        let payload = completion_of(&key, token, &Seal::of(scope), (&fingerprint, sent), ttl);
+        let closing = (&self::seal(scope), (&fingerprint, sent));
+        let payload = completion_at(sealed_at, &key, token, closing.0, closing.1, ttl);
         let Heard::Ended {
             key: heard_key,
             token: heard_token,
@@ -283,7 +323,7 @@ pub(super) mod tests {
             panic!("no end in {payload:?}");
         };
         assert_eq!((heard_key, heard_token), (key.as_str(), token));
-        let opened = record.and_then(|record| match seal.open(&record)? {
+        let opened = record.and_then(|record| match seal.open_at(opened_at, &record)? {
             Claim::Completed {
                 fingerprint: got,
                 response,
@@ -297,6 +337,16 @@ pub(super) mod tests {
         (payload, opened)
     }
 
+    /// [`notified_at`] now, both ways.
+    fn notified(
+        scope: &Scope,
+        sent: &StoredResponse,
+        seal: &Seal,
+    ) -> (String, Option<(StoredResponse, Option<Duration>)>) {
+        let now = unix_millis();
+        notified_at((scope, now), sent, (seal, now))
+    }
+
     #[test]
     fn a_small_completion_carries_its_record_sealed() {
         let scope = scope("small");
@@ -307,20 +357,22 @@ pub(super) mod tests {
         .into_iter()
         .collect();
         for sent in [response(300, None), response(300, Some(trailers))] {
-            let (payload, opened) = notified(&scope, &sent, &Seal::of(&scope));
+            let (payload, opened) = notified(&scope, &sent, &seal(&scope));
             let (got, expires_in) = opened.expect("the record");
             assert_eq!(got, sent);
             let left = expires_in.unwrap();
             assert!(left > Duration::from_secs(59) && left <= Duration::from_secs(60));
-            // Nothing of the record shows.
-            assert!(!payload.contains("grpc"), "{payload}");
+            // Nothing of the record shows, even decoded.
+            let carried = STANDARD.decode(&payload[NAMED_LEN..]).unwrap();
+            let shows = |text: &[u8]| carried.windows(text.len()).any(|at| at == text);
+            assert!(!shows(b"application/grpc") && !shows(&[b'x'; 16]));
         }
     }
 
     #[test]
     fn records_up_to_a_kib_are_carried() {
         let scope = scope("sizes");
-        let seal = Seal::of(&scope);
+        let seal = seal(&scope);
         let overhead = completed_len(&response(0, None));
         let at_most = response(NOTIFIED_RECORD_MAX - overhead, None);
         assert_eq!(completed_len(&at_most), NOTIFIED_RECORD_MAX);
@@ -334,12 +386,20 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn a_record_opens_only_with_its_scopes_seal_and_its_claim() {
-        let (scope, other) = (scope("mine"), scope("another"));
+    fn a_record_opens_only_with_its_scopes_seal_on_its_channel() {
+        let (mine, other) = (scope("mine"), scope("another"));
         let sent = response(10, None);
-        let (payload, opened) = notified(&scope, &sent, &Seal::of(&other));
-        assert!(opened.is_none(), "opened with another scope's seal");
-        // The same record passed off as another claim's.
+        assert!(notified(&mine, &sent, &seal(&mine)).1.is_some());
+        let others = [seal(&other), Seal::of("idempotency_elsewhere", &mine)];
+        for seal in &others {
+            assert!(notified(&mine, &sent, seal).1.is_none());
+        }
+    }
+
+    #[test]
+    fn a_record_opens_only_for_its_claim() {
+        let scope = scope("mine");
+        let (payload, _) = notified(&scope, &response(10, None), &seal(&scope));
         let Heard::Ended {
             record: Some(record),
             ..
@@ -347,6 +407,7 @@ pub(super) mod tests {
         else {
             panic!("no record");
         };
+        // The same record passed off as another claim's.
         let moved = format!(
             "{}{}",
             end_of(&key_of(&scope), ClaimToken::unique()),
@@ -359,13 +420,47 @@ pub(super) mod tests {
         else {
             panic!("no record");
         };
-        assert!(Seal::of(&scope).open(&moved).is_none());
-        assert!(Seal::of(&scope).open(&record).is_some());
+        assert!(seal(&scope).open(&moved).is_none());
+        assert!(seal(&scope).open(&record).is_some());
+    }
+
+    #[test]
+    fn a_record_opens_only_while_fresh_and_kept() {
+        let scope = scope("times");
+        let (sent, seal) = (response(10, None), seal(&scope));
+        let now = unix_millis();
+        // The time left of a record kept `ttl`, sealed at `sealed_at` and opened now.
+        let left = |sealed_at: u64, ttl: Duration| {
+            let completed = (&Fingerprint::from_bytes([7; 32]), &sent);
+            let (key, token) = (key_of(&scope), ClaimToken::unique());
+            let payload = completion_at(sealed_at, &key, token, &seal, completed, ttl);
+            let Heard::Ended {
+                record: Some(record),
+                ..
+            } = heard(&payload)
+            else {
+                panic!("no record");
+            };
+            match seal.open_at(now, &record)? {
+                Claim::Completed { expires_in, .. } => expires_in,
+                other => panic!("{other:?}"),
+            }
+        };
+        let (minute, day) = (Duration::from_secs(60), Duration::from_secs(86_400));
+        assert_eq!(left(now - 20_000, minute), Some(Duration::from_secs(40)));
+        // Heard again later (a captured notification sent anew), or from a clock far
+        // ahead: refused, however long the record is kept.
+        assert!(left(now - 20_000, day).is_some());
+        assert!(left(now - FRESH_MS - 1, day).is_none());
+        assert!(left(now + FRESH_MS + 1, day).is_none());
+        // Fresh, but expired by now.
+        assert!(left(now - 1_000, Duration::from_millis(1_000)).is_none());
+        assert!(left(now - 1_000, Duration::from_millis(1_001)).is_some());
     }
 
     #[test]
     fn what_does_not_open_is_no_record() {
-        let seal = Seal::of(&scope("k"));
+        let seal = seal(&scope("k"));
         let named = "ab".repeat(48);
         for sealed in [
             "not base64!",
