@@ -161,17 +161,32 @@ impl Announcements {
         token: ClaimToken,
         completed: impl FnOnce() -> Claim,
     ) {
-        self.complete(key, token, Slot::first_heard, completed);
+        self.complete(key, token, Slot::first_heard, || Some(completed()));
     }
 
-    /// Hands `completed` to the watches on `key` if the end of the claim `token` is news to
-    /// `heard`.
+    /// Announces that the claim `token` held on `key` ended, with the completed record
+    /// `record` makes of what the store's report carries, if it makes one: the waiters take
+    /// it as with [`announce_completed`](Self::announce_completed); without one they read
+    /// the key, as after [`announce_end`](Self::announce_end). `record` runs only when
+    /// somebody watches the key and the end is news, so a store relaying its reports
+    /// decodes no record its own write already handed over, or nobody waits for.
+    pub fn announce_end_with(
+        &self,
+        key: &str,
+        token: ClaimToken,
+        record: impl FnOnce() -> Option<Claim>,
+    ) {
+        self.complete(key, token, Slot::first_heard, record);
+    }
+
+    /// Hands the record `completed` makes to the watches on `key` if the end of the claim
+    /// `token` is news to `heard`; wakes them to read the key if it makes none.
     fn complete(
         &self,
         key: &str,
         token: ClaimToken,
         heard: fn(&Slot, ClaimToken) -> bool,
-        completed: impl FnOnce() -> Claim,
+        completed: impl FnOnce() -> Option<Claim>,
     ) {
         if !self.anyone_watching() {
             return;
@@ -180,11 +195,14 @@ impl Announcements {
         let Some(slot) = keys.get(key).filter(|slot| heard(slot, token)) else {
             return;
         };
+        let Some(completed) = completed() else {
+            return slot.changed();
+        };
         // Announcements are made under the board's lock: this is the count the change makes.
         let changes = slot.changes.load(Ordering::Acquire) + 1;
         let read = SharedRead {
             changes,
-            found: tokio::sync::OnceCell::new_with(Some(completed())),
+            found: tokio::sync::OnceCell::new_with(Some(completed)),
         };
         *lock(&slot.last_read) = Some(Arc::new(read));
         // Counted once the finding is in place: a waiter that sees the change finds it.
@@ -407,7 +425,7 @@ impl Ending<'_> {
     pub fn completed(self, completed: impl FnOnce() -> Claim) {
         let this = std::mem::ManuallyDrop::new(self);
         this.announcements
-            .complete(this.key, this.token, Slot::written, completed);
+            .complete(this.key, this.token, Slot::written, || Some(completed()));
     }
 
     /// The claim was released: the watches read the key, one for them all.
@@ -635,6 +653,35 @@ mod tests {
         all_find_it_completed(waiters).await;
         assert_eq!(reads.load(Ordering::SeqCst), 0, "handed the record");
         saw_the_end_once(&board, &mut watch, token).await;
+    }
+
+    #[tokio::test]
+    async fn a_reported_record_is_made_only_when_the_end_is_news_and_taken_when_made() {
+        for makes_one in [true, false] {
+            let (board, reads, waiters) = a_hundred_waiting(Duration::ZERO).await;
+            let made = AtomicUsize::new(0);
+            let record = || {
+                made.fetch_add(1, Ordering::SeqCst);
+                makes_one.then(completed)
+            };
+            let token = ClaimToken::unique();
+            // Being written here: the write hands the record over, the report makes none.
+            let ending = board.ending("k", token);
+            board.announce_end_with("k", token, record);
+            assert_eq!(made.load(Ordering::SeqCst), 0);
+            drop(ending);
+            all_find_it_completed(waiters).await;
+            let (board, reads_after, waiters) = a_hundred_waiting(Duration::ZERO).await;
+            let other = ClaimToken::unique();
+            board.announce_end_with("k", other, record);
+            board.announce_end_with("k", other, record); // heard twice
+            all_find_it_completed(waiters).await;
+            assert_eq!(made.load(Ordering::SeqCst), 1);
+            assert_eq!(reads.load(Ordering::SeqCst), 1, "the dropped ending's read");
+            // Taken when made; read for when not.
+            let expected = usize::from(!makes_one);
+            assert_eq!(reads_after.load(Ordering::SeqCst), expected);
+        }
     }
 
     #[tokio::test]

@@ -251,8 +251,8 @@ impl Shared {
     }
 
     /// Announces what a notification's `payload` tells. A record it carries is opened only
-    /// for a key somebody watches (a watch made later reads the key, and finds it); one that
-    /// does not open (not sealed for this key and claim) is only the end of the claim.
+    /// when somebody here watches its key and its end is news; one that does not open (not
+    /// sealed for this key and claim) is only the end of the claim.
     fn relay(&self, payload: &str) {
         let announcements = &self.announcements;
         match heard(payload) {
@@ -261,11 +261,9 @@ impl Shared {
                 token,
                 record: Some(record),
             } if announcements.anyone_watching() => {
+                // Looked up before the board is locked: a sweep holds this lock, then that one.
                 let seal = lock(&self.remembered).keys.get(key).cloned();
-                match seal.and_then(|seal| seal.open(&record)) {
-                    Some(completed) => announcements.announce_completed(key, token, || completed),
-                    None => announcements.announce_end(key, token),
-                }
+                announcements.announce_end_with(key, token, || seal?.open(&record));
             }
             Heard::Ended { key, token, .. } => announcements.announce_end(key, token),
             Heard::Changed(key) => announcements.announce(key),

@@ -475,13 +475,9 @@ fn heard(announcements: &Announcements, channel: &str, payload: &[u8]) {
         return announcements.announce(channel);
     };
     let token = ClaimToken::from_bytes(*token);
-    let completed = match value {
-        [] => None,
-        value => super::announced_record(value),
-    };
-    match completed {
-        Some(completed) => announcements.announce_completed(channel, token, || completed),
-        None => announcements.announce_end(channel, token),
+    match value {
+        [] => announcements.announce_end(channel, token),
+        value => announcements.announce_end_with(channel, token, || super::announced_record(value)),
     }
 }
 
