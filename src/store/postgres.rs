@@ -555,6 +555,12 @@ impl PostgresStore {
         self.listener.watched()
     }
 
+    /// How this store's notifications name `scope`, if it announces: a store that does not
+    /// notifies nothing and hands out no watch, so its writes have nobody to tell.
+    fn announced_key(&self, scope: &Scope) -> Option<String> {
+        self.announce.then(|| notification::key_of(scope))
+    }
+
     /// The statements a request runs, as this store's settings choose them: its claim, then
     /// the completion, the release and the lease's extension.
     fn writes(&self) -> [&str; 4] {
@@ -1009,15 +1015,12 @@ impl Store for PostgresStore {
             put_headers(&mut headers, trailers);
         }
         let status = response.status.as_u16() as i16;
-        let key = notification::key_of(scope);
-        let notification = match self.announce {
-            true => {
-                let seal = notification::Seal::of(self.listener.channel(), scope);
-                let completed = (&fingerprint, response);
-                notification::completion_of(&key, token, &seal, completed, ttl)
-            }
-            false => String::new(),
-        };
+        let key = self.announced_key(scope);
+        let notification = key.as_deref().map_or_else(String::new, |key| {
+            let seal = notification::Seal::of(self.listener.channel(), scope);
+            let completed = (&fingerprint, response);
+            notification::completion_of(key, token, &seal, completed, ttl)
+        });
         let resource_id = self.resource_id.extract(response);
         let params: [&(dyn ToSql + Sync); 11] = [
             &scope.key().as_str(),
@@ -1033,9 +1036,9 @@ impl Store for PostgresStore {
             &resource_id,
         ];
         let [_, complete, ..] = self.writes();
-        let ending = self.listener.ending(&key, token);
+        let ending = key.as_deref().map(|key| self.listener.ending(key, token));
         let completed = self.notifying(complete, &params).await?;
-        if completed == Fenced::Applied {
+        if let (Fenced::Applied, Some(ending)) = (completed, ending) {
             // This process's waiters take the record as written, and none reads it.
             ending.completed(|| Claim::Completed {
                 fingerprint,
@@ -1047,11 +1050,10 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
-        let key = notification::key_of(scope);
-        let notification = match self.announce {
-            true => notification::end_of(&key, token),
-            false => String::new(),
-        };
+        let key = self.announced_key(scope);
+        let notification = key
+            .as_deref()
+            .map_or_else(String::new, |key| notification::end_of(key, token));
         let params: [&(dyn ToSql + Sync); 5] = [
             &scope.key().as_str(),
             &scope.endpoint(),
@@ -1060,9 +1062,9 @@ impl Store for PostgresStore {
             &notification.as_str(),
         ];
         let [_, _, release, _] = self.writes();
-        let ending = self.listener.ending(&key, token);
+        let ending = key.as_deref().map(|key| self.listener.ending(key, token));
         let released = self.notifying(release, &params).await?;
-        if released == Fenced::Applied {
+        if let (Fenced::Applied, Some(ending)) = (released, ending) {
             ending.released();
         }
         Ok(released)
@@ -1081,14 +1083,11 @@ impl Store for PostgresStore {
     }
 
     async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
-        if !self.announce {
+        let Some(key) = self.announced_key(scope) else {
             return Ok(None);
-        }
-        let key = notification::key_of(scope);
-        let watch = self
-            .listener
-            .watch(&key, notification::Seal::of(self.listener.channel(), scope))
-            .await;
+        };
+        let seal = notification::Seal::of(self.listener.channel(), scope);
+        let watch = self.listener.watch(&key, seal).await;
         // Each replay a waiter is served must be read, to be counted.
         Ok(match watch {
             Some(watch) if self.count_replays => Some(watch.reading_alone()),
