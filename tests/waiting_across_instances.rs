@@ -69,9 +69,8 @@ macro_rules! across_instances {
 
 across_instances!(
     postgres: a_duplicate_on_another_instance_gets_the_replay,
-    the_duplicates_on_another_instance_are_handed_the_record,
-    a_record_over_a_kib_is_read_once_for_the_duplicates,
-    a_record_too_large_to_announce_is_read_once_for_the_duplicates,
+    the_duplicates_on_another_instance_read_the_key_once,
+    a_large_record_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
     each_instance_hears_the_end_of_a_claim_once,
@@ -82,9 +81,8 @@ across_instances!(
 );
 across_instances!(
     redis: a_duplicate_on_another_instance_gets_the_replay,
-    the_duplicates_on_another_instance_are_handed_the_record,
-    a_larger_record_is_handed_to_the_duplicates_that_listen,
-    a_record_too_large_to_announce_is_read_once_for_the_duplicates,
+    the_duplicates_on_another_instance_read_the_key_once,
+    a_large_record_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
     each_instance_hears_the_end_of_a_claim_once,
@@ -95,9 +93,8 @@ across_instances!(
 );
 across_instances!(
     redis_cluster: a_duplicate_on_another_instance_gets_the_replay,
-    the_duplicates_on_another_instance_are_handed_the_record,
-    a_larger_record_is_handed_to_the_duplicates_that_listen,
-    a_record_too_large_to_announce_is_read_once_for_the_duplicates,
+    the_duplicates_on_another_instance_read_the_key_once,
+    a_large_record_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
     each_instance_hears_the_end_of_a_claim_once,
@@ -108,9 +105,8 @@ across_instances!(
 );
 across_instances!(
     redis_sentinel: a_duplicate_on_another_instance_gets_the_replay,
-    the_duplicates_on_another_instance_are_handed_the_record,
-    a_larger_record_is_handed_to_the_duplicates_that_listen,
-    a_record_too_large_to_announce_is_read_once_for_the_duplicates,
+    the_duplicates_on_another_instance_read_the_key_once,
+    a_large_record_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
     a_watch_is_woken_by_the_other_instance,
     each_instance_hears_the_end_of_a_claim_once,
@@ -252,31 +248,17 @@ async fn a_duplicate_on_another_instance_gets_the_replay(instances: Instances) {
     assert_eq!(handler.executions(), 1);
 }
 
-/// The completion's announcement carries its record: the duplicates waiting on B
-/// take it from there, and B reads the key only as it did to begin waiting (each
-/// duplicate once to find it in progress, and once more once watching).
-async fn the_duplicates_on_another_instance_are_handed_the_record(instances: Instances) {
-    let (to_wait, after) = reads_of_duplicates_on_b(instances, "handed", 100).await;
-    assert_eq!(after, to_wait, "a duplicate read the key");
-}
-
-/// A record of a few KiB is carried only to a key somebody listens on, as B's duplicates
-/// do: they are handed it too.
-async fn a_larger_record_is_handed_to_the_duplicates_that_listen(instances: Instances) {
-    let (to_wait, after) = reads_of_duplicates_on_b(instances, "handed-larger", 5_000).await;
-    assert_eq!(after, to_wait, "a duplicate read the key");
-}
-
-/// PostgreSQL's notification carries no record over 1 KiB: it is read once for all the
-/// duplicates waiting on B.
-async fn a_record_over_a_kib_is_read_once_for_the_duplicates(instances: Instances) {
-    let (to_wait, after) = reads_of_duplicates_on_b(instances, "over-a-kib", 2_000).await;
+/// The completion's announcement says only that the claim ended (anyone who can publish
+/// could have sent it): one of the duplicates waiting on B reads the key for them all, and
+/// B reads it otherwise only as it did to begin waiting (each duplicate once to find it in
+/// progress, and once more once watching).
+async fn the_duplicates_on_another_instance_read_the_key_once(instances: Instances) {
+    let (to_wait, after) = reads_of_duplicates_on_b(instances, "read-once", 100).await;
     assert_eq!(after, to_wait + 1);
 }
 
-/// A record too large for any announcement to carry (over 64 KiB) is read once for all
-/// the duplicates waiting on B.
-async fn a_record_too_large_to_announce_is_read_once_for_the_duplicates(instances: Instances) {
+/// However large the record, it is read once for all the duplicates waiting on B.
+async fn a_large_record_is_read_once_for_the_duplicates(instances: Instances) {
     let (to_wait, after) = reads_of_duplicates_on_b(instances, "large", 70_000).await;
     assert_eq!(after, to_wait + 1);
 }
@@ -584,58 +566,6 @@ async fn postgres_on(qualified: &str) -> PostgresStore {
         .announce_outcomes()
 }
 
-/// PostgreSQL checks no privilege for `NOTIFY`: any role that can connect may notify a
-/// table's channel. A notification made up for a key requests wait on (the channel shows
-/// only its digest), carrying a record not sealed for the key, makes one of them read the
-/// key for the others and hands them nothing: they wait on, and get the original's own
-/// replay.
-#[tokio::test]
-async fn postgres_a_made_up_record_is_never_replayed() {
-    use base64::Engine as _;
-    use sha2::Digest as _;
-    let instances = postgres().await;
-    let Held::Postgres(store_b) = &instances.held_by_b else {
-        unreachable!("a PostgreSQL store")
-    };
-    let channel = store_b.notification_channel().to_owned();
-    let digest = sha2::Sha256::digest(scope("made-up").storage_key().as_bytes());
-    let digest: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
-    // A token, then a record in the form a sealed one takes once opened (its expiry, then
-    // the record): were it taken, the duplicates would answer with it.
-    let made_up = tower_idempotency::Record::Completed {
-        fingerprint: Fingerprint::from_bytes([0; 32]),
-        response: StoredResponse {
-            status: StatusCode::OK,
-            headers: Default::default(),
-            body: "made up".into(),
-            trailers: None,
-        },
-    };
-    let mut record = u64::MAX.to_be_bytes().to_vec();
-    record.extend_from_slice(&made_up.encode());
-    let record = base64::engine::general_purpose::STANDARD.encode(record);
-    let payload = format!("{digest}{:032x}{record}", 7u128);
-    let notify = async |b: &ReadsCounted| {
-        let before = b.reads();
-        let url = support::database_url();
-        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(connection);
-        let notify = "SELECT pg_notify($1, $2)";
-        client.execute(notify, &[&channel, &payload]).await.unwrap();
-        for _ in 0..200 {
-            if b.reads() > before {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    let (to_wait, after) = reads_of_duplicates_on_b_after(instances, "made-up", 10, notify).await;
-    // Read once for the made-up end of the claim; the original's record was handed over.
-    assert_eq!(after, to_wait + 1);
-}
-
 /// The listener relays its own table's notifications, not another's: the same scope
 /// completed in another table wakes nothing.
 #[tokio::test]
@@ -836,8 +766,16 @@ impl Held {
     /// The Redis channel of `scope`'s key.
     fn channel(&self, scope: &Scope) -> String {
         match self {
-            Held::Redis(store, _) => store.redis_key(scope),
+            Held::Redis(store, _) => store.announcement_channel(scope),
             Held::Postgres(_) => panic!("PostgreSQL has one channel per table"),
+        }
+    }
+
+    /// The Redis key of `scope`.
+    fn key(&self, scope: &Scope) -> String {
+        match self {
+            Held::Redis(store, _) => store.redis_key(scope),
+            Held::Postgres(_) => panic!("not a Redis store"),
         }
     }
 
@@ -922,7 +860,7 @@ async fn redis_waiters_share_one_subscription_and_leave_none_behind() {
         "one subscription for the key's waiters"
     );
     let mut redis = redis_connection().await;
-    let channel = b.redis_key(&scope("x"));
+    let channel = b.announcement_channel(&scope("x"));
     assert_eq!(subscribers(&mut redis, &channel).await, 1);
     handler.gate.add_permits(1);
     let original = original.await.unwrap();
@@ -1050,7 +988,7 @@ async fn redis_cluster_announces_on_the_keys_shard_only() {
     );
     // That node serves the key's slot: it answers for the key, without a redirect.
     let exists: i64 = tower_idempotency::redis::cmd("EXISTS")
-        .arg(&channel)
+        .arg(instances.held_by_b.key(&scope("shard")))
         .query_async(&mut redis_connection_to(subscribed_on[0]).await)
         .await
         .expect("the subscribed node serves the key's slot");
@@ -1093,7 +1031,7 @@ async fn redis_cluster_waiters_are_woken_after_their_shards_master_fails_over() 
     let token = claim_as_post(&a, "failover", long).await;
     let waiter = spawn_send(&app, post("/pay").key("failover"));
     still_waiting(&waiter).await;
-    let channel = a.redis_key(&scope("failover"));
+    let channel = a.announcement_channel(&scope("failover"));
     let master = cluster.master_for_key(&channel);
     assert_eq!(shard_subscribers(&cluster, master, &channel), 1);
     let (cluster, promoted) = blocking(move || {

@@ -52,7 +52,7 @@ struct Slot {
 /// What a watched key's slot knows of the claims on it that ended.
 #[derive(Default)]
 struct Ends {
-    /// The claim whose end was announced last: heard again, it is no change.
+    /// The claim whose end this process wrote last: reported again, it is no change.
     last: Option<ClaimToken>,
     /// The claim whose end this process is writing ([`Ending`]): its end, heard before the
     /// write returns, is announced by the writer once it does.
@@ -130,12 +130,15 @@ impl Announcements {
         }
     }
 
-    /// Announces that the claim `token` held on `key` ended: its record was completed or
-    /// released. The end of one claim is announced once however often it is heard, as by
-    /// a store that announces its own writes at once and hears them again from its
-    /// notifications: each change heard twice would make the waiters read the key twice.
+    /// Announces that the claim `token` held on `key` ended, as a store's notification
+    /// reports it: its record was completed or released, and the waiters read the key. A
+    /// report of an end this process writes or wrote itself ([`ending`](Self::ending),
+    /// [`announce_completed`](Self::announce_completed)) is no change: its waiters were
+    /// told by the write. Any other report wakes them, however often it is heard: a report
+    /// cannot be trusted to be the store's (whoever can notify could send one first, to
+    /// make the real one look heard), and reading the key again costs a read, no more.
     pub fn announce_end(&self, key: &str, token: ClaimToken) {
-        self.end(key, token, Slot::first_heard);
+        self.end(key, token, Slot::reported);
     }
 
     /// Wakes the watches on `key` if the end of the claim `token` is news to `heard`.
@@ -153,40 +156,26 @@ impl Announcements {
     /// Announces that the claim `token` held on `key` ended with its record completed, as
     /// `completed` says (a [`Claim::Completed`], made only if anybody watches the key): the
     /// waiters take it for what a read of the key would find, all woken at once, and none
-    /// reads the key. For a store's own completions, whose record it holds; heard again
-    /// (from its notifications), the end of the claim is no change.
+    /// reads the key. For a store's own completions, whose record it wrote: only what this
+    /// process wrote is handed over this way, never what a notification says. Heard again
+    /// (from the store's notifications), the end of the claim is no change.
     pub fn announce_completed(
         &self,
         key: &str,
         token: ClaimToken,
         completed: impl FnOnce() -> Claim,
     ) {
-        self.complete(key, token, Slot::first_heard, || Some(completed()));
-    }
-
-    /// Announces that the claim `token` held on `key` ended, with the completed record
-    /// `record` makes of what the store's report carries, if it makes one: the waiters take
-    /// it as with [`announce_completed`](Self::announce_completed); without one they read
-    /// the key, as after [`announce_end`](Self::announce_end). `record` runs only when
-    /// somebody watches the key and the end is news, so a store relaying its reports
-    /// decodes no record its own write already handed over, or nobody waits for.
-    pub fn announce_end_with(
-        &self,
-        key: &str,
-        token: ClaimToken,
-        record: impl FnOnce() -> Option<Claim>,
-    ) {
-        self.complete(key, token, Slot::first_heard, record);
+        self.complete(key, token, Slot::written, completed);
     }
 
     /// Hands the record `completed` makes to the watches on `key` if the end of the claim
-    /// `token` is news to `heard`; wakes them to read the key if it makes none.
+    /// `token` is news to `heard`.
     fn complete(
         &self,
         key: &str,
         token: ClaimToken,
         heard: fn(&Slot, ClaimToken) -> bool,
-        completed: impl FnOnce() -> Option<Claim>,
+        completed: impl FnOnce() -> Claim,
     ) {
         if !self.anyone_watching() {
             return;
@@ -195,9 +184,7 @@ impl Announcements {
         let Some(slot) = keys.get(key).filter(|slot| heard(slot, token)) else {
             return;
         };
-        let Some(completed) = completed() else {
-            return slot.changed();
-        };
+        let completed = completed();
         // Announcements are made under the board's lock: this is the count the change makes.
         let changes = slot.changes.load(Ordering::Acquire) + 1;
         let read = SharedRead {
@@ -252,10 +239,11 @@ impl Announcements {
 }
 
 impl Slot {
-    /// Whether the end of the claim `token` is heard here for the first time.
-    fn first_heard(&self, token: ClaimToken) -> bool {
-        let mut ends = lock(&self.ends);
-        ends.writing != Some(token) && ends.last.replace(token) != Some(token)
+    /// Whether the end of the claim `token`, reported by the store, is news: not the end
+    /// of a claim this process is writing or wrote. A report marks nothing as heard.
+    fn reported(&self, token: ClaimToken) -> bool {
+        let ends = lock(&self.ends);
+        ends.writing != Some(token) && ends.last != Some(token)
     }
 
     /// Whether the end of the claim `token`, written here, is announced for the first
@@ -425,7 +413,7 @@ impl Ending<'_> {
     pub fn completed(self, completed: impl FnOnce() -> Claim) {
         let this = std::mem::ManuallyDrop::new(self);
         this.announcements
-            .complete(this.key, this.token, Slot::written, || Some(completed()));
+            .complete(this.key, this.token, Slot::written, completed);
     }
 
     /// The claim was released: the watches read the key, one for them all.
@@ -616,16 +604,45 @@ mod tests {
         assert_eq!(reads.load(Ordering::SeqCst), 1);
     }
 
+    /// A report of the end of a claim, heard before the claim really ended (made up by
+    /// someone who can notify the store), wakes the waiters to read: they find the key in
+    /// progress and wait on. The store's own report of the real end, with the same token,
+    /// still wakes them: the first report did not mark it heard.
     #[tokio::test]
-    async fn the_end_of_a_claim_heard_twice_is_read_once() {
-        let (board, reads, waiters) = a_hundred_waiting(Duration::from_millis(20)).await;
+    async fn a_report_heard_first_never_hides_the_real_end() {
+        let board = Announcements::new();
+        let reads = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&reads);
+        // The first read finds the key in progress (the made-up report); the next, its record.
+        let read = move || {
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            Box::pin(async move {
+                Ok(if first {
+                    Claim::InProgress {
+                        fingerprint: Fingerprint::from_bytes([1; 32]),
+                        lease_remaining: Duration::from_secs(30),
+                        running_for: None,
+                    }
+                } else {
+                    completed()
+                })
+            }) as Read
+        };
         let token = ClaimToken::unique();
+        let waiters = waiters_reading(&board, 10, read.clone()).await;
         board.announce_end("k", token);
-        // Heard again while the first read runs, as a store hears its own write relayed.
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        for waiter in waiters {
+            let found = tokio::time::timeout(Duration::from_secs(1), waiter)
+                .await
+                .expect("woken by the made-up report")
+                .unwrap();
+            assert!(matches!(found, Ok(Claim::InProgress { .. })), "{found:?}");
+        }
+        // Waiting again, as the layer's waiters do; the real end, named alike.
+        let waiters = waiters_reading(&board, 10, read).await;
         board.announce_end("k", token);
         all_find_it_completed(waiters).await;
-        assert_eq!(reads.load(Ordering::SeqCst), 1);
+        assert_eq!(reads.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
@@ -653,35 +670,6 @@ mod tests {
         all_find_it_completed(waiters).await;
         assert_eq!(reads.load(Ordering::SeqCst), 0, "handed the record");
         saw_the_end_once(&board, &mut watch, token).await;
-    }
-
-    #[tokio::test]
-    async fn a_reported_record_is_made_only_when_the_end_is_news_and_taken_when_made() {
-        for makes_one in [true, false] {
-            let (board, reads, waiters) = a_hundred_waiting(Duration::ZERO).await;
-            let made = AtomicUsize::new(0);
-            let record = || {
-                made.fetch_add(1, Ordering::SeqCst);
-                makes_one.then(completed)
-            };
-            let token = ClaimToken::unique();
-            // Being written here: the write hands the record over, the report makes none.
-            let ending = board.ending("k", token);
-            board.announce_end_with("k", token, record);
-            assert_eq!(made.load(Ordering::SeqCst), 0);
-            drop(ending);
-            all_find_it_completed(waiters).await;
-            let (board, reads_after, waiters) = a_hundred_waiting(Duration::ZERO).await;
-            let other = ClaimToken::unique();
-            board.announce_end_with("k", other, record);
-            board.announce_end_with("k", other, record); // heard twice
-            all_find_it_completed(waiters).await;
-            assert_eq!(made.load(Ordering::SeqCst), 1);
-            assert_eq!(reads.load(Ordering::SeqCst), 1, "the dropped ending's read");
-            // Taken when made; read for when not.
-            let expected = usize::from(!makes_one);
-            assert_eq!(reads_after.load(Ordering::SeqCst), expected);
-        }
     }
 
     #[tokio::test]
@@ -718,20 +706,27 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_ends_of_two_claims_are_two_changes() {
+    async fn every_report_of_an_end_not_written_here_is_a_change() {
         let board = Announcements::new();
         let mut watch = board.watch("k");
         let (first, second) = (ClaimToken::unique(), ClaimToken::unique());
         let wait = Duration::from_millis(20);
         board.announce_end("k", first);
         assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
+        // Heard again: reports are not trusted to mark an end heard.
         board.announce_end("k", first);
-        assert!(tokio::time::timeout(wait, watch.changed()).await.is_err());
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
         board.announce_end("k", second);
         assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
         // An announcement without a claim is always a change.
         board.announce("k");
         assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
+        // The end of a claim written here, reported after the write: no change.
+        let written = ClaimToken::unique();
+        board.ending("k", written).released();
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
+        board.announce_end("k", written);
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_err());
     }
 
     #[tokio::test]

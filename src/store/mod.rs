@@ -83,25 +83,6 @@ pub enum Claim {
     },
 }
 
-impl Claim {
-    /// What an announcement carrying `record` hands the waiters: the record when it is
-    /// completed, kept `expires_in` longer; `None` for one in progress.
-    #[cfg(any(feature = "redis", feature = "postgres"))]
-    pub(crate) fn announced(record: crate::Record, expires_in: Option<Duration>) -> Option<Self> {
-        match record {
-            crate::Record::Completed {
-                fingerprint,
-                response,
-            } => Some(Claim::Completed {
-                fingerprint,
-                response,
-                expires_in,
-            }),
-            crate::Record::InProgress { .. } => None,
-        }
-    }
-}
-
 /// Whether a fenced write found the caller's claim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[must_use]

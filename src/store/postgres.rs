@@ -38,9 +38,7 @@ const PURGE_BATCH: i64 = 1000;
 /// `(idempotency_key, endpoint, principal)`, responses as `BYTEA` (byte-exact), the claim
 /// token and `locked_until` for the in-progress lease, `created_at`, `completed_at` and
 /// `expires_at`. All times come from the database's clock, so application servers with
-/// skewed clocks agree. (One exception, which only decides whether a waiter reads the key:
-/// a record carried in a notification is taken within a minute of its sealing by the
-/// instances' own clocks.)
+/// skewed clocks agree.
 ///
 /// - **claim** is one statement: `INSERT … ON CONFLICT DO UPDATE … WHERE <expired>`
 ///   takes a free, expired, or abandoned (lease run out) row, and the same statement returns
@@ -59,30 +57,24 @@ const PURGE_BATCH: i64 = 1000;
 ///   the same statement, and a store opened with [`connect`](Self::connect) listens on one
 ///   connection of its own (not from the pool), opened when a request first waits and
 ///   opened again with backoff if it fails while requests wait. The waiters on the
-///   original's instance are handed the record it wrote. A completion whose record is at
-///   most 1 KiB carries it in its notification, sealed, and the waiters of other instances
-///   answer from there too; for a larger one, one waiter per instance reads the key for
-///   the others (with [`count_replays`](Self::count_replays), each waiter reads: each
-///   replay is counted). A store made with
+///   original's instance are handed the record it wrote; on every other instance, one
+///   waiter reads the key for the others (with [`count_replays`](Self::count_replays),
+///   each waiter reads: each replay is counted). A store made with
 ///   [`new`](Self::new) from a pool cannot open one: its waiters read the key again
 ///   (every 20 ms, doubling up to 200 ms), as they do while the listening connection is
 ///   down.
 ///
 /// Notifying has costs to weigh on a busy table: PostgreSQL serializes the commits of
 /// transactions that notify, and every listening instance receives every completion and
-/// release of the table, waited for or not: 96 bytes each, and up to about 1.5 KB for a
-/// completion that carries its record.
+/// release of the table, waited for or not: 96 bytes each.
 ///
 /// PostgreSQL checks no privilege for `LISTEN` or `NOTIFY`: any role that can connect to
-/// the database can hear the channel, and notify on it. A notification names its key by a
-/// digest, and seals the record it carries (ChaCha20-Poly1305) with a key derived from the
-/// table and the scope's storage key, which holds the client's idempotency key: such a
-/// role reads no record unless it knows, or guesses, that idempotency key (the digest lets
-/// it test guesses: records are as private as the keys are unpredictable), and a
-/// notification it makes up, or moves to another table or claim, wakes the waiters to read
-/// the key, never hands them a response. One it captured and sends again a minute or more
-/// later is refused too; within the minute it could reach only waiters for the same key,
-/// of a claim made after the record's row was deleted early.
+/// the database can hear the channel, and notify on it, and a listener cannot tell who
+/// did. So a notification carries no record: it names its key by a digest (of the
+/// scope's storage key, which such a role can match only by guessing the principal, the
+/// endpoint and the idempotency key whole) and the claim that ended, and it only ever
+/// wakes the waiters to read their key. A notification made up or sent again costs them
+/// a read; they never answer anything but what the table holds for their own key.
 ///
 /// Run [`migrate`](Self::migrate) once (it is idempotent) or apply
 /// [`migration_sql`](Self::migration_sql) with your migration tool.
@@ -290,12 +282,6 @@ impl PostgresStore {
     /// instance that shares the table. PostgreSQL serializes the commits of transactions
     /// that notify, so it is off by default: a store without it hands out no watch, and its
     /// waiters read their key again every 20 ms, doubling up to 200 ms.
-    ///
-    /// A completion whose record is at most 1 KiB carries it in its notification
-    /// ([`notification_channel`](Self::notification_channel)), which a listener of an
-    /// earlier release of this crate does not recognise: during a rolling upgrade, the
-    /// waiters of instances not yet upgraded wait out the holder's lease or their bound for
-    /// such completions (then read the key, or answer `409`), and nothing runs twice.
     ///
     /// # Example
     ///
@@ -542,9 +528,8 @@ impl PostgresStore {
     /// (`idempotency_` and a digest of the table's qualified name, the same in every
     /// instance), each with the hex SHA-256 of the scope's
     /// [`storage_key`](Scope::storage_key) as its payload, followed by the hex of the
-    /// token of the claim that ended and, for a completion whose record is at most 1 KiB,
-    /// the record with its expiry, sealed for the scope (a random nonce, then the
-    /// ChaCha20-Poly1305 ciphertext bound to the key and the token, in base64).
+    /// token of the claim that ended: nothing else, since any role that can connect may
+    /// notify the channel too.
     pub fn notification_channel(&self) -> &str {
         self.listener.channel()
     }
@@ -1016,11 +1001,9 @@ impl Store for PostgresStore {
         }
         let status = response.status.as_u16() as i16;
         let key = self.announced_key(scope);
-        let notification = key.as_deref().map_or_else(String::new, |key| {
-            let seal = notification::Seal::of(self.listener.channel(), scope);
-            let completed = (&fingerprint, response);
-            notification::completion_of(key, token, &seal, completed, ttl)
-        });
+        let notification = key
+            .as_deref()
+            .map_or_else(String::new, |key| notification::end_of(key, token));
         let resource_id = self.resource_id.extract(response);
         let params: [&(dyn ToSql + Sync); 11] = [
             &scope.key().as_str(),
@@ -1086,8 +1069,7 @@ impl Store for PostgresStore {
         let Some(key) = self.announced_key(scope) else {
             return Ok(None);
         };
-        let seal = notification::Seal::of(self.listener.channel(), scope);
-        let watch = self.listener.watch(&key, seal).await;
+        let watch = self.listener.watch(&key).await;
         // Each replay a waiter is served must be read, to be counted.
         Ok(match watch {
             Some(watch) if self.count_replays => Some(watch.reading_alone()),

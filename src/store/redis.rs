@@ -1,6 +1,7 @@
 //! The Redis store: one key per record, one round trip per operation.
 
 mod auto_pipeline;
+mod channel;
 mod cluster;
 mod primary;
 mod replicas;
@@ -97,61 +98,31 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return false",
 /// completion whose reply was lost. The second writes the stored value again, so that a
 /// `WAIT` after it, on whatever connection, waits for the record.
 static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_script("")));
-/// [`COMPLETE`], announcing the completion ([`RedisStore::announce_outcomes`]).
-static COMPLETE_ANNOUNCED: LazyLock<Lua> =
-    LazyLock::new(|| Lua::new(complete_script(&announce_completed("PUBLISH", "NUMSUB"))));
+/// [`COMPLETE`], announcing the completion ([`RedisStore::announce_outcomes`]) on the
+/// channel `ARGV[4]`.
+static COMPLETE_ANNOUNCED: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_script(PUBLISH)));
 /// Sent whole (`EVAL`), not by hash: a release often goes out for a claim nobody awaits any
 /// more (its request went away or timed out), and then no one would be there to load the
 /// script and retry if Redis answered `NOSCRIPT`.
 static RELEASE: LazyLock<String> = LazyLock::new(|| release_script(""));
-/// [`RELEASE`], announcing the release ([`RedisStore::announce_outcomes`]).
+/// [`RELEASE`], announcing the release ([`RedisStore::announce_outcomes`]) on the channel
+/// `ARGV[2]`.
 static RELEASE_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(PUBLISH));
 /// [`COMPLETE_ANNOUNCED`] in a cluster: on the key's shard channel.
-static COMPLETE_SHARD_ANNOUNCED: LazyLock<Lua> = LazyLock::new(|| {
-    Lua::new(complete_script(&announce_completed(
-        "SPUBLISH",
-        "SHARDNUMSUB",
-    )))
-});
+static COMPLETE_SHARD_ANNOUNCED: LazyLock<Lua> =
+    LazyLock::new(|| Lua::new(complete_script(SPUBLISH)));
 /// [`RELEASE_ANNOUNCED`] in a cluster: on the key's shard channel.
 static RELEASE_SHARD_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(SPUBLISH));
-/// Tells the subscribers of the key's own channel that the claim `ARGV[1]` (its token)
-/// ended: named, so that an instance that announced its own write hears it once.
-const PUBLISH: &str = "redis.call('PUBLISH', KEYS[1], ARGV[1])";
-/// Tells the subscribers of the key's own shard channel (the key's slot: its name is the
-/// key's) that the claim `ARGV[1]` ended, in a cluster, where a `PUBLISH` would reach every
-/// node.
-/// Called so that a server without shard channels (before Redis 7.0) still writes the
-/// outcome: its waiters cannot subscribe to one either, and read their keys again.
-const SPUBLISH: &str = "redis.pcall('SPUBLISH', KEYS[1], ARGV[1])";
-
-/// The largest completed value a completion's announcement carries: the waiters of
-/// another instance take it from there rather than each instance reading the key once. A
-/// larger one is left to that read: a message goes whole into every subscriber's output
-/// buffer, which Redis bounds (`client-output-buffer-limit pubsub`).
-const ANNOUNCED_VALUE_MAX: usize = 64 * 1024;
-/// The largest completed value an announcement carries whether anybody listens or not:
-/// copying it into the message costs Redis about what asking for the key's subscribers
-/// does.
-const ANNOUNCED_ALWAYS_MAX: usize = 1024;
-
-/// Tells the subscribers of the key's channel (`PUBLISH`, counted by `NUMSUB`) or shard
-/// channel (`SPUBLISH`, `SHARDNUMSUB`) that the claim `ARGV[1]` ended with the completed
-/// value `ARGV[2]`, which follows the token when it is small, or not too large
-/// ([`ANNOUNCED_VALUE_MAX`]) and somebody on this node listens: copied into every
-/// completion's message, a large value would cost Redis about as much again as storing
-/// it. Called like [`SPUBLISH`], for a server without shard channels.
-fn announce_completed(publish: &str, numsub: &str) -> String {
-    format!(
-        "local announced, size = ARGV[1], #ARGV[2]
-if size > {ANNOUNCED_ALWAYS_MAX} and size <= {ANNOUNCED_VALUE_MAX} then
-    local subscribers = redis.pcall('PUBSUB', '{numsub}', KEYS[1])
-    if (tonumber(subscribers[2]) or 0) > 0 then size = 0 end
-end
-if size <= {ANNOUNCED_ALWAYS_MAX} then announced = ARGV[1] .. ARGV[2] end
-redis.pcall('{publish}', KEYS[1], announced)"
-    )
-}
+/// Tells the subscribers of the key's channel (the last argument, [`channel::of`] the key)
+/// that the claim `ARGV[1]` (its token) ended: named, so that an instance that announced
+/// its own write hears it once. The message carries nothing else: a subscriber cannot
+/// tell who published it, so its waiters read the key, and take only what the store holds.
+const PUBLISH: &str = "redis.call('PUBLISH', ARGV[#ARGV], ARGV[1])";
+/// [`PUBLISH`] on the key's shard channel, in a cluster, where a `PUBLISH` would reach
+/// every node. Called so that a server without shard channels (before Redis 7.0) still
+/// writes the outcome: its waiters cannot subscribe to one either, and read their keys
+/// again.
+const SPUBLISH: &str = "redis.pcall('SPUBLISH', ARGV[#ARGV], ARGV[1])";
 
 fn complete_script(announce: &str) -> String {
     format!(
@@ -444,8 +415,9 @@ impl RedisStore {
         self
     }
 
-    /// Publish every completion and release on Redis (pub/sub, on a channel named as the
-    /// key), so that requests waiting for their original
+    /// Publish every completion and release on Redis (pub/sub, on a channel of the key's
+    /// own: [`announcement_channel`](Self::announcement_channel)), so that requests waiting
+    /// for their original
     /// ([`IdempotencyLayer::wait_for_original`](crate::IdempotencyLayer::wait_for_original))
     /// wake the moment it is done, on whichever instance they wait. Turn it on in every
     /// instance that shares the keys. It costs Redis one more command per completion
@@ -454,10 +426,17 @@ impl RedisStore {
     ///
     /// Waiters subscribe on one connection per store, to the keys they wait on and only
     /// while they wait. A store made from a connection ([`RedisStore::new`]) publishes
-    /// but cannot subscribe: its own waiters poll. A completion's message carries the
-    /// record when it takes at most 64 KiB, and the waiters of every instance answer
-    /// with it without reading the key; after a larger one, or a release, one waiter per
-    /// instance reads the key for the others.
+    /// but cannot subscribe: its own waiters poll. On the instance that wrote the outcome,
+    /// the waiters are handed it as written, and none reads the key; on every other
+    /// instance one waiter reads the key for the others.
+    ///
+    /// A message says only which claim ended (its token), never what it answered: Redis
+    /// does not tell a subscriber who published, and any client allowed to publish could
+    /// send one. A message is only ever a reason to read the key, so a client that can
+    /// publish but not read keys can make waiters read, never make them replay anything
+    /// but what the store holds for their own key. The channel is named by a digest of the
+    /// key, so a client allowed to list channels (`PUBSUB CHANNELS`) learns no principal
+    /// and no idempotency key from it.
     ///
     /// In a cluster ([`cluster`](Self::cluster), [`from_cluster_client`](Self::from_cluster_client))
     /// the channel is the key's shard channel (`SPUBLISH`, `SSUBSCRIBE`, Redis 7.0 and
@@ -635,12 +614,21 @@ impl RedisStore {
         Ok(fenced(applied))
     }
 
-    /// The end of the claim `token` on `key`, about to be written: this process's waiters
-    /// are told of it once the write returns, whether Redis's message of it arrives
-    /// before or after ([`Announcements::ending`]). One atomic read when nobody waits.
-    fn ending<'a>(&'a self, key: &'a str, token: ClaimToken) -> Option<Ending<'a>> {
+    /// The end of the claim `token` on the key announced on `channel`, about to be
+    /// written: this process's waiters are told of it once the write returns, whether
+    /// Redis's message of it arrives before or after ([`Announcements::ending`]). One
+    /// atomic read when nobody waits.
+    fn ending<'a>(&'a self, channel: &'a str, token: ClaimToken) -> Option<Ending<'a>> {
         let subscriber = self.subscriber.as_ref()?;
-        Some(subscriber.announcements().ending(key, token))
+        Some(subscriber.announcements().ending(channel, token))
+    }
+
+    /// The channel on which the completions and releases of `scope`'s key are announced
+    /// ([`announce_outcomes`](Self::announce_outcomes)): named by a digest of the key, so
+    /// that listing the channels in use (`PUBSUB CHANNELS`) shows no principal and no
+    /// idempotency key, and in a cluster a shard channel of the key's own slot.
+    pub fn announcement_channel(&self, scope: &Scope) -> String {
+        channel::of(&self.redis_key(scope))
     }
 
     /// How many keys this store's requests wait on now, each subscribed to once however
@@ -816,10 +804,20 @@ impl Store for RedisStore {
             (true, Commands::Cluster(_)) => &*COMPLETE_SHARD_ANNOUNCED,
         };
         let key = self.redis_key(scope);
-        let ending = self.ending(&key, token);
-        let completed = self
-            .eval_fenced(script, &key, token, &[&value, ttl.as_bytes()], true)
-            .await?;
+        let channel = self.announce.then(|| channel::of(&key));
+        let ending = channel
+            .as_deref()
+            .and_then(|channel| self.ending(channel, token));
+        let completed = match &channel {
+            Some(channel) => {
+                let args: [&[u8]; 3] = [&value, ttl.as_bytes(), channel.as_bytes()];
+                self.eval_fenced(script, &key, token, &args, true).await?
+            }
+            None => {
+                let args: [&[u8]; 2] = [&value, ttl.as_bytes()];
+                self.eval_fenced(script, &key, token, &args, true).await?
+            }
+        };
         if let (Fenced::Applied, Some(ending)) = (completed, ending) {
             // This process's waiters take the record as written, and none reads it.
             ending.completed(|| Claim::Completed {
@@ -838,8 +836,17 @@ impl Store for RedisStore {
             (true, Commands::Node(_)) => &*RELEASE_ANNOUNCED,
             (true, Commands::Cluster(_)) => &*RELEASE_SHARD_ANNOUNCED,
         };
-        let eval = script_command("EVAL", script, &key, &[token.as_bytes()]);
-        let ending = self.ending(&key, token);
+        let channel = self.announce.then(|| channel::of(&key));
+        let eval = match &channel {
+            Some(channel) => {
+                let args: [&[u8]; 2] = [token.as_bytes(), channel.as_bytes()];
+                script_command("EVAL", script, &key, &args)
+            }
+            None => script_command("EVAL", script, &key, &[token.as_bytes()]),
+        };
+        let ending = channel
+            .as_deref()
+            .and_then(|channel| self.ending(channel, token));
         let released = fenced(self.query(eval, &key, Unawaited::Send, false).await?);
         if let (Fenced::Applied, Some(ending)) = (released, ending) {
             ending.released();
@@ -859,11 +866,11 @@ impl Store for RedisStore {
         let Some(subscriber) = self.subscriber.as_ref().filter(|_| self.announce) else {
             return Ok(None);
         };
-        let key = self.redis_key(scope);
+        let channel = self.announcement_channel(scope);
         // On the board before subscribing: what is published once Redis confirmed the
         // subscription is relayed to this watch.
-        let watch = subscriber.announcements().watch(&key);
-        match subscriber.subscribe(&key).await {
+        let watch = subscriber.announcements().watch(&channel);
+        match subscriber.subscribe(&channel).await {
             Ok(subscription) => Ok(Some(watch.keeping(subscription))),
             Err(error) => {
                 tracing::warn!(%error, "could not subscribe to Redis announcements: this waiter reads its key again instead");
@@ -895,13 +902,6 @@ fn split_value(mut value: Vec<u8>) -> Result<(Bytes, Option<u64>)> {
 /// What is left until `deadline` (Unix milliseconds).
 fn remaining(deadline: u64) -> Duration {
     Duration::from_millis(deadline.saturating_sub(unix_millis()))
-}
-
-/// The record of a completed value as a completion's announcement carries it
-/// ([`ANNOUNCED_VALUE_MAX`]); `None` for anything else.
-fn announced_record(value: &[u8]) -> Option<Claim> {
-    let (record, deadline) = split_value(value.to_vec()).ok()?;
-    Claim::announced(Record::decode(record).ok()?, deadline.map(remaining))
 }
 
 fn unexpected(reply: &impl fmt::Debug) -> Error {

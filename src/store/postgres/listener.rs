@@ -6,13 +6,13 @@
 //! goes out exactly when the write is committed, and the store that made it and announced
 //! it at once hears it once. The listener opens its connection at the first watch, confirms
 //! `LISTEN` before that watch is handed out, and relays every notification on the channel
-//! to the store's [`Announcements`], opening the records of the keys watched here. A
+//! to the store's [`Announcements`]: each wakes the waiters of its key to read it. A
 //! connection that fails is opened again with backoff while anybody watches; once it
 //! listens again, every watched key is announced, since what was notified in between is
 //! lost and its waiters must read their keys again.
 
 use std::{
-    collections::HashMap,
+    collections::HashSet,
     future::poll_fn,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -24,7 +24,7 @@ use std::{
 use tokio::{sync::watch, task::JoinHandle};
 use tokio_postgres::{tls::NoTlsStream, AsyncMessage, Config, Connection, NoTls, Socket};
 
-use super::notification::{heard, Heard, Seal};
+use super::notification::heard;
 use crate::{
     store::{Announcements, Ending, Watch},
     ClaimToken,
@@ -63,8 +63,7 @@ pub(super) struct Listener {
 struct Shared {
     channel: String,
     announcements: Announcements,
-    /// The keys watched, to announce each once the connection listens again, and the seals
-    /// of the records their completions carry.
+    /// The keys watched, to announce each once the connection listens again.
     remembered: Mutex<Remembered>,
     /// When the relaying task last ran, in milliseconds since `epoch`.
     beat: AtomicU64,
@@ -72,7 +71,7 @@ struct Shared {
 }
 
 struct Remembered {
-    keys: HashMap<String, Seal>,
+    keys: HashSet<String>,
     sweep_at_len: usize,
 }
 
@@ -116,7 +115,7 @@ impl Listener {
                 channel,
                 announcements: Announcements::new(),
                 remembered: Mutex::new(Remembered {
-                    keys: HashMap::new(),
+                    keys: HashSet::new(),
                     sweep_at_len: MIN_SWEEP_LEN,
                 }),
                 beat: AtomicU64::new(0),
@@ -149,16 +148,15 @@ impl Listener {
         self.shared.announcements.watched()
     }
 
-    /// A watch on `key` (a [`key_of`](super::notification::key_of)), whose completions'
-    /// records open with `seal`, that sees every notification made once this
-    /// returns; `None` when no connection listens (none can be opened, or the store cannot
+    /// A watch on `key` (a [`key_of`](super::notification::key_of)) that sees every
+    /// notification made once this returns; `None` when no connection listens (none can be opened, or the store cannot
     /// open one): the waiter then reads its key again by itself.
-    pub(super) async fn watch(&self, key: &str, seal: Seal) -> Option<Watch> {
+    pub(super) async fn watch(&self, key: &str) -> Option<Watch> {
         let config = self.config.as_ref()?;
         // On the board before the listener is asked whether it listens: whatever it relays
         // from then on reaches this watch.
         let watch = self.shared.announcements.watch(key);
-        self.shared.remember(key, seal);
+        self.shared.remember(key);
         let mut status = self.relay(config)?;
         let settled = status.wait_for(|status| *status != Status::Opening);
         let listening = matches!(
@@ -227,15 +225,15 @@ impl Shared {
     }
 
     /// Remembers `key`, watched now, for [`announce_all`](Self::announce_all).
-    fn remember(&self, key: &str, seal: Seal) {
+    fn remember(&self, key: &str) {
         let mut remembered = lock(&self.remembered);
-        if remembered.keys.contains_key(key) {
+        if remembered.keys.contains(key) {
             return;
         }
         if remembered.keys.len() >= remembered.sweep_at_len {
             self.sweep(&mut remembered);
         }
-        remembered.keys.insert(key.to_owned(), seal);
+        remembered.keys.insert(key.to_owned());
     }
 
     /// Announces every watched key: for waiters that may have missed a notification.
@@ -243,30 +241,18 @@ impl Shared {
         let keys: Vec<String> = {
             let mut remembered = lock(&self.remembered);
             self.sweep(&mut remembered);
-            remembered.keys.keys().cloned().collect()
+            remembered.keys.iter().cloned().collect()
         };
         for key in &keys {
             self.announcements.announce(key);
         }
     }
 
-    /// Announces what a notification's `payload` tells. A record it carries is opened only
-    /// when somebody here watches its key and its end is news; one that does not open (not
-    /// sealed for this key and claim) is only the end of the claim.
+    /// Announces the end of the claim a notification's `payload` names: its key's waiters
+    /// read the key. Anything else is not a store's notification, and wakes nobody.
     fn relay(&self, payload: &str) {
-        let announcements = &self.announcements;
-        match heard(payload) {
-            Heard::Ended {
-                key,
-                token,
-                record: Some(record),
-            } if announcements.anyone_watching() => {
-                // Looked up before the board is locked: a sweep holds this lock, then that one.
-                let seal = lock(&self.remembered).keys.get(key).cloned();
-                announcements.announce_end_with(key, token, || seal?.open(&record));
-            }
-            Heard::Ended { key, token, .. } => announcements.announce_end(key, token),
-            Heard::Changed(key) => announcements.announce(key),
+        if let Some((key, token)) = heard(payload) {
+            self.announcements.announce_end(key, token);
         }
     }
 
@@ -274,7 +260,7 @@ impl Shared {
     fn sweep(&self, remembered: &mut Remembered) {
         remembered
             .keys
-            .retain(|key, _| self.announcements.is_watched(key));
+            .retain(|key| self.announcements.is_watched(key));
         remembered.sweep_at_len = (remembered.keys.len() * 2).max(MIN_SWEEP_LEN);
     }
 }
@@ -401,15 +387,14 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 mod tests {
     use std::sync::atomic::AtomicUsize;
 
-    use super::super::notification::{channel, completion_of, key_of, tests::scope};
+    use super::super::notification::{channel, end_of, key_of, tests::scope};
     use super::*;
-    use crate::{store::Claim, Fingerprint, StoredResponse};
+    use crate::{store::Claim, Fingerprint};
 
     #[tokio::test]
     async fn a_store_that_cannot_connect_watches_nothing() {
         let listener = Listener::new(None, channel("a.b"));
-        let seal = Seal::of("a", &scope("k"));
-        assert!(listener.watch("k", seal).await.is_none());
+        assert!(listener.watch("k").await.is_none());
         assert_eq!(listener.watched(), 0);
     }
 
@@ -417,19 +402,18 @@ mod tests {
     fn remembered_keys_stay_within_twice_the_watched() {
         let listener = Listener::new(None, channel("a.b"));
         let shared = &listener.shared;
-        let seal = Seal::of("a", &scope("k"));
         let kept: Vec<Watch> = (0..10)
             .map(|i| {
                 let key = format!("kept{i}");
                 let watch = shared.announcements.watch(&key);
-                shared.remember(&key, seal.clone());
+                shared.remember(&key);
                 watch
             })
             .collect();
         for i in 0..10_000 {
             let key = format!("gone{i}");
             let watch = shared.announcements.watch(&key);
-            shared.remember(&key, seal.clone());
+            shared.remember(&key);
             drop(watch);
         }
         let remembered = lock(&shared.remembered).keys.len();
@@ -438,47 +422,32 @@ mod tests {
         assert_eq!(lock(&shared.remembered).keys.len(), kept.len());
     }
 
-    /// A record sealed for the watched scope is handed to its waiters; one sealed for
-    /// another (forged, say) only ends the claim, and they read the key.
+    /// The end of a claim wakes the key's waiters, and one of them reads the key for all;
+    /// a payload that names no claim (made up, or carrying anything more) wakes nobody.
     #[tokio::test]
-    async fn a_record_is_handed_over_only_when_it_opens() {
+    async fn a_notification_only_wakes_the_waiters_to_read_their_key() {
         let listener = Listener::new(None, channel("a.b"));
         let shared = &listener.shared;
-        let (mine, other) = (scope("mine"), scope("other"));
-        let key = key_of(&mine);
-        let fingerprint = Fingerprint::from_bytes([7; 32]);
-        let sent = StoredResponse {
-            status: http::StatusCode::CREATED,
-            headers: http::HeaderMap::new(),
-            body: bytes::Bytes::from_static(b"{}"),
-            trailers: None,
-        };
-        for (sealed_for, handed) in [(&mine, true), (&other, false)] {
-            let mut watch = shared.announcements.watch(&key);
-            shared.remember(&key, Seal::of(&shared.channel, &mine));
-            let seal = Seal::of(&shared.channel, sealed_for);
-            let completed = (&fingerprint, &sent);
-            let ttl = Duration::from_secs(60);
-            shared.relay(&completion_of(
-                &key,
-                ClaimToken::unique(),
-                &seal,
-                completed,
-                ttl,
-            ));
-            tokio::time::timeout(Duration::from_secs(1), watch.announced())
-                .await
-                .expect("woken");
-            let reads = AtomicUsize::new(0);
-            let read = || async {
-                reads.fetch_add(1, Ordering::SeqCst);
-                Ok(Claim::Claimed(ClaimToken::unique()))
-            };
-            let found = watch.read_shared(fingerprint, ttl, read).await.unwrap();
-            assert_eq!(reads.load(Ordering::SeqCst), usize::from(!handed));
-            if handed {
-                assert!(matches!(found, Claim::Completed { response, .. } if response == sent));
-            }
+        let key = key_of(&scope("mine"));
+        let mut watch = shared.announcements.watch(&key);
+        let ended = end_of(&key, ClaimToken::unique());
+        for made_up in [format!("{ended}c2VhbGVk"), key.clone()] {
+            shared.relay(&made_up);
+            let woken = tokio::time::timeout(Duration::from_millis(50), watch.announced()).await;
+            assert!(woken.is_err(), "woken by {made_up:?}");
         }
+        shared.relay(&ended);
+        tokio::time::timeout(Duration::from_secs(1), watch.announced())
+            .await
+            .expect("woken");
+        let reads = AtomicUsize::new(0);
+        let read = || async {
+            reads.fetch_add(1, Ordering::SeqCst);
+            Ok(Claim::Claimed(ClaimToken::unique()))
+        };
+        let fingerprint = Fingerprint::from_bytes([7; 32]);
+        let lease = Duration::from_secs(60);
+        watch.read_shared(fingerprint, lease, read).await.unwrap();
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
     }
 }

@@ -31,7 +31,7 @@ use super::{
 };
 
 /// Slots of a Redis Cluster.
-const SLOTS: usize = 16384;
+pub(super) const SLOTS: usize = 16384;
 /// How often an acknowledged command follows its slot elsewhere before it fails.
 const MAX_REDIRECTS: usize = 3;
 /// The least time between two readings of the slot map: during a failover every batch

@@ -1,9 +1,11 @@
 //! Completions and releases announced by any instance, relayed from Redis pub/sub to the
 //! store's waiters.
 //!
-//! The fenced scripts `PUBLISH` on a channel named as the key they wrote; a store
-//! subscribes, on one connection of its own, to the channels of the keys its requests wait
-//! on, and only while they wait: a completion nobody waits for reaches no client.
+//! The fenced scripts `PUBLISH` the token of the claim that ended on a channel named by a
+//! digest of the key they wrote (`channel`); a store subscribes, on one connection of its
+//! own, to the channels of the keys its requests wait on, and only while they wait: a
+//! completion nobody waits for reaches no client. A message is only a reason to read the
+//! key: any client allowed to publish could have sent it.
 //!
 //! In a cluster the channel is a shard channel (`SPUBLISH`, `SSUBSCRIBE`): a message goes
 //! to the master serving the key's slot (and its replicas) only, not to every node. The
@@ -132,8 +134,8 @@ impl Sink {
         }
     }
 
-    /// Whether the master serving the key named as `channel` answers (`EXISTS`, routed
-    /// by the key's slot).
+    /// Whether the master serving the key whose channel is `channel` answers (`EXISTS`
+    /// on the channel's name, routed by its slot: the key's).
     async fn answers_for(&mut self, channel: &str) -> RedisResult<()> {
         match self {
             Sink::Server(_) => Ok(()),
@@ -190,7 +192,7 @@ impl Subscriber {
         &self.announcements
     }
 
-    /// Subscribes to `channel` (a key's name), connecting first if needed. Returns once
+    /// Subscribes to `channel` (a key's channel), connecting first if needed. Returns once
     /// Redis confirmed it: every message published after that is relayed.
     pub(super) async fn subscribe(
         self: &Arc<Self>,
@@ -466,18 +468,12 @@ async fn relay_shard_pushes(
     }
 }
 
-/// Announces what was published on `channel` (a key): the end of the claim whose token
-/// begins the payload, with the completed value that follows it when there is one (the
-/// waiters take it and none reads the key), or a change, from an instance that names no
-/// claim.
+/// Announces what was published on `channel` (a key's channel): the end of the claim whose
+/// token it is, which wakes the key's waiters to read it. Anything else was not published
+/// by a store (who published cannot be told) and wakes nobody.
 fn heard(announcements: &Announcements, channel: &str, payload: &[u8]) {
-    let Some((token, value)) = payload.split_first_chunk::<16>() else {
-        return announcements.announce(channel);
-    };
-    let token = ClaimToken::from_bytes(*token);
-    match value {
-        [] => announcements.announce_end(channel, token),
-        value => announcements.announce_end_with(channel, token, || super::announced_record(value)),
+    if let Ok(token) = <[u8; 16]>::try_from(payload) {
+        announcements.announce_end(channel, ClaimToken::from_bytes(token));
     }
 }
 
