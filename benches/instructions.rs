@@ -64,7 +64,7 @@ fn main() {
     };
     let bare = handler();
     let layered = tower::ServiceBuilder::new()
-        .layer(IdempotencyLayer::from_shared(store))
+        .layer(IdempotencyLayer::from_shared(store).allow_anonymous())
         .service(handler());
     let body = Bytes::from(vec![b'x'; 256]);
     if path == "waiter_memory" {
@@ -128,6 +128,7 @@ async fn waiters(requests: usize, body: &Bytes) {
         }
     });
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .allow_anonymous()
         .wait_for_original(Duration::from_secs(60))
         .max_waiting(requests + 1);
     let layered = tower::ServiceBuilder::new()

@@ -161,6 +161,7 @@ async fn delays(
     let gate = Arc::new(Semaphore::new(0));
     let layer = |store: Arc<dyn Store>| {
         IdempotencyLayer::from_shared(store)
+            .allow_anonymous()
             .wait_for_original(Duration::from_secs(30))
             .max_waiting(2 * MANY)
     };

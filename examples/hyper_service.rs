@@ -36,7 +36,7 @@ async fn charge(
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
     let service = ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(MemoryStore::new()))
+        .layer(IdempotencyLayer::new(MemoryStore::new()).allow_anonymous())
         .service_fn(charge);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:3001").await?;
     loop {

@@ -532,7 +532,7 @@ impl Held {
                     let body = ResponseBody::with_trailers(body, trailers);
                     return Response::from_parts(parts, body);
                 }
-                let headers = replayable_headers(&parts.headers);
+                let headers = replayable_headers(&parts.headers, self.config.replay_set_cookie);
                 let stored = StoredResponse {
                     status: parts.status,
                     headers,
@@ -686,8 +686,10 @@ where
 }
 
 /// Every header but the hop-by-hop ones (RFC 9110 §7.6.1, and any that `Connection`
-/// names) and `Date`, which belong to one transmission, not to the response.
-fn replayable_headers(headers: &HeaderMap) -> HeaderMap {
+/// names) and `Date`, which belong to one transmission, not to the response; and unless
+/// `set_cookie`, `Set-Cookie`, which belongs to one client's session: a replay goes to
+/// whoever sends the key again.
+fn replayable_headers(headers: &HeaderMap, set_cookie: bool) -> HeaderMap {
     const NOT_REPLAYED: [&str; 10] = [
         "connection",
         "keep-alive",
@@ -710,7 +712,10 @@ fn replayable_headers(headers: &HeaderMap) -> HeaderMap {
     // One more than kept: a replay adds its marker without growing the map.
     let mut kept = HeaderMap::with_capacity(headers.len() + 1);
     for (name, value) in headers {
-        if !NOT_REPLAYED.contains(&name.as_str()) && !named_by_connection.contains(name) {
+        if !NOT_REPLAYED.contains(&name.as_str())
+            && !named_by_connection.contains(name)
+            && (set_cookie || name != header::SET_COOKIE)
+        {
             kept.append(name.clone(), value.clone());
         }
     }
@@ -736,19 +741,28 @@ mod tests {
         headers.append("transfer-encoding", HeaderValue::from_static("chunked"));
         headers.append("set-cookie", HeaderValue::from_static("a=1"));
         headers.append("set-cookie", HeaderValue::from_static("b=2"));
-        let kept = replayable_headers(&headers);
-        let names: Vec<_> = kept
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
-            .collect();
+        let kept = |set_cookie| {
+            let kept = replayable_headers(&headers, set_cookie);
+            kept.iter()
+                .map(|(n, v)| (n.as_str().to_owned(), v.to_str().unwrap().to_owned()))
+                .collect::<Vec<_>>()
+        };
+        let pairs = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
+        };
         assert_eq!(
-            names,
-            [
+            kept(true),
+            pairs(&[
                 ("content-type", "application/json"),
                 ("set-cookie", "a=1"),
                 ("set-cookie", "b=2")
-            ]
+            ])
         );
+        // By default a session cookie is not handed to whoever replays.
+        assert_eq!(kept(false), pairs(&[("content-type", "application/json")]));
     }
 
     #[tokio::test]

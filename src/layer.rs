@@ -59,6 +59,11 @@ pub(crate) struct Config {
     pub(crate) release_when: Option<ReleaseWhen>,
     pub(crate) fail_open: bool,
     pub(crate) principal: BoxedPrincipal,
+    /// Whether keyed requests that name no principal share one anonymous scope, rather
+    /// than being refused.
+    pub(crate) anonymous: bool,
+    /// Whether `Set-Cookie` is recorded and replayed with the rest of a response.
+    pub(crate) replay_set_cookie: bool,
     pub(crate) endpoint: Endpoint,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     /// `Some`: duplicates of a key in progress wait up to this long for its outcome.
@@ -98,7 +103,9 @@ impl Default for Config {
             release_on: Arc::new(releases_by_default),
             release_when: None,
             fail_open: false,
-            principal: BoxedPrincipal(Arc::new(DefaultPrincipal)),
+            principal: BoxedPrincipal(Arc::new(DefaultPrincipal::new())),
+            anonymous: false,
+            replay_set_cookie: false,
             endpoint: Endpoint::MethodAndPath,
             fingerprint_headers: Vec::new(),
             render_rejections: None,
@@ -126,7 +133,8 @@ impl IdempotencyLayer {
     /// A layer on `store` with the defaults: `POST` and `PATCH`, key optional, results kept
     /// 24 hours, a 30-second lease renewed while the handler runs, bodies up to 1 MiB,
     /// released on inner error, panic, 5xx, 408 or 429, fail closed, scoped by
-    /// [`DefaultPrincipal`] and `"<METHOD> <path>"`.
+    /// [`DefaultPrincipal`] and `"<METHOD> <path>"`, keyed requests without a principal
+    /// refused, `Set-Cookie` not replayed.
     pub fn new(store: impl Store) -> Self {
         Self::from_shared(Arc::new(store))
     }
@@ -372,18 +380,68 @@ impl IdempotencyLayer {
 
     /// How a request names its principal. Default: [`DefaultPrincipal`].
     ///
+    /// The principal must be a verified identity that stays the same across a client's
+    /// retries: what the authentication layer established (a user id, an account, the
+    /// `sub` of a verified JWT, the access key id of a verified signature), never an
+    /// unverified header a client could set to another user's name, and never a credential
+    /// that changes between retries (a refreshed token, a per-request signature), under
+    /// which a retry would execute again.
+    ///
     /// # Example
     ///
     /// ```
     /// use http::request::Parts;
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// #[derive(Clone)]
+    /// struct Session { user_id: String } // set by the session layer, once verified
+    ///
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).principal(|parts: &Parts| {
-    ///     let token = parts.headers.get("authorization")?.to_str().ok()?;
-    ///     token.strip_prefix("Bearer ").map(str::to_owned)
+    ///     parts.extensions.get::<Session>().map(|session| session.user_id.clone())
     /// });
     /// ```
     pub fn principal(mut self, extractor: impl ExtractPrincipal) -> Self {
         self.config().principal = BoxedPrincipal(Arc::new(extractor));
+        self
+    }
+
+    /// Keys the digest that [`DefaultPrincipal`] makes of the `Authorization` header
+    /// with `secret` (HMAC-SHA-256), so that nobody who can read the store can test
+    /// guessed credentials against it. Give every instance that shares a store the same
+    /// secret (at least 32 random bytes, from wherever the application keeps its
+    /// secrets); changing it starts every scope afresh, like a new store. Without it, the
+    /// first digest made logs a warning. Replaces the principal extractor with
+    /// [`DefaultPrincipal::keyed`].
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// # let secret_from_vault = [7u8; 32];
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).credential_secret(secret_from_vault);
+    /// ```
+    pub fn credential_secret(self, secret: impl AsRef<[u8]>) -> Self {
+        self.principal(DefaultPrincipal::keyed(secret))
+    }
+
+    /// Keyed requests that name no principal share one anonymous scope: any client that
+    /// sends the same key and body gets the same response. By default the layer refuses
+    /// them (`500 idempotency_principal_missing`, nothing executed, an error logged that
+    /// names this fix), so that a route behind cookie sessions or mutual TLS, where the
+    /// `Authorization` header is absent, never shares one client's records with another
+    /// by accident. Choose this for routes where anonymous callers are expected and their
+    /// keys are unguessable (random UUIDs from the client); better, name the principal from
+    /// the session or the client certificate ([`principal`](Self::principal)).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// // Guest checkout: signed-in users are scoped by their Principal, guests share one
+    /// // scope and are kept apart by their random keys.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).allow_anonymous();
+    /// ```
+    pub fn allow_anonymous(mut self) -> Self {
+        self.config().anonymous = true;
         self
     }
 
@@ -397,7 +455,24 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped();
     /// ```
     pub fn unscoped(self) -> Self {
-        self.principal(Unscoped)
+        self.principal(Unscoped).allow_anonymous()
+    }
+
+    /// Record and replay `Set-Cookie` with the rest of a response. By default it is left
+    /// out of the record: the first response still carries it to its client, but a
+    /// replay never hands one client's session cookie to whoever sends the same key
+    /// again. Turn it on where a replayed response must set the cookie again and the
+    /// scope guarantees that only the same client can replay it.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).replay_set_cookie();
+    /// ```
+    pub fn replay_set_cookie(mut self) -> Self {
+        self.config().replay_set_cookie = true;
+        self
     }
 
     /// Name the endpoint by Axum's route template (`POST /v1/orders/{id}`) instead of the
@@ -563,6 +638,8 @@ impl fmt::Debug for Config {
             .field("max_request_body", &self.max_request_body)
             .field("max_response_body", &self.max_response_body)
             .field("fail_open", &self.fail_open)
+            .field("anonymous", &self.anonymous)
+            .field("replay_set_cookie", &self.replay_set_cookie)
             .field("endpoint", &self.endpoint)
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("custom_rejections", &self.render_rejections.is_some())

@@ -1,7 +1,21 @@
 //! Who sent a request: the first part of every key's scope.
+//!
+//! Scope must come from a verified identity that stays the same across a client's retries:
+//! the user or account an authentication layer established, set as a [`Principal`]
+//! extension. The digest of the `Authorization` header that [`DefaultPrincipal`] falls back
+//! on is right only for credentials a client sends unchanged on every retry (an API key,
+//! HTTP Basic); a refreshed JWT or a per-request signature (AWS SigV4) changes between
+//! retries, and a retry under a new scope executes again.
 
-use std::fmt;
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+};
 
+use hmac::{Hmac, Mac};
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
@@ -9,8 +23,9 @@ use sha2::{Digest, Sha256};
 /// principals never share idempotency records.
 ///
 /// Implemented for closures `Fn(&Parts) -> Option<String>`, whose names mean the same as
-/// [`Principal::new`] of them; `None` is the anonymous principal, shared by every request
-/// without one.
+/// [`Principal::new`] of them. `None` is no principal: the layer refuses such a request
+/// unless the route opts in to one anonymous scope shared by every request without one
+/// ([`allow_anonymous`](crate::IdempotencyLayer::allow_anonymous)).
 ///
 /// # Example
 ///
@@ -24,7 +39,7 @@ use sha2::{Digest, Sha256};
 /// });
 /// ```
 pub trait ExtractPrincipal: Send + Sync + 'static {
-    /// The principal of this request, or `None` when it is anonymous.
+    /// The principal of this request, or `None` when it names none.
     fn extract(&self, parts: &Parts) -> Option<Principal>;
 }
 
@@ -75,8 +90,32 @@ impl Principal {
 
     /// A principal known only by its credential (an `Authorization` value, an API key):
     /// 128 bits of its SHA-256 digest, which keep credentials apart without storing one.
+    ///
+    /// Unkeyed, the digest of a guessable credential can be reversed by trying guesses
+    /// (it shows in the store's keys and columns): prefer
+    /// [`from_credential_keyed`](Self::from_credential_keyed).
     pub fn from_credential(credential: &[u8]) -> Self {
-        let digest = Sha256::digest(credential);
+        Self::credential_digest(&Sha256::digest(credential))
+    }
+
+    /// A principal known only by its credential, as [`from_credential`](Self::from_credential),
+    /// digested with HMAC-SHA-256 under `secret`: without the secret, nobody who reads the
+    /// store can test guesses of the credential against it. Give every instance that
+    /// shares a store the same secret, or their scopes differ.
+    ///
+    /// ```
+    /// use tower_idempotency::Principal;
+    ///
+    /// let secret = b"32 random bytes from the secret store!";
+    /// let keyed = Principal::from_credential_keyed(secret, b"Basic YWxpY2U6aHVudGVyMg==");
+    /// assert_ne!(keyed, Principal::from_credential(b"Basic YWxpY2U6aHVudGVyMg=="));
+    /// assert!(keyed.as_str().starts_with("auth:"));
+    /// ```
+    pub fn from_credential_keyed(secret: &[u8], credential: &[u8]) -> Self {
+        CredentialKey::new(secret).principal(credential)
+    }
+
+    fn credential_digest(digest: &[u8]) -> Self {
         let mut stored = String::with_capacity(CREDENTIAL.len() + 32);
         stored.push_str(CREDENTIAL);
         for byte in &digest[..16] {
@@ -95,11 +134,60 @@ impl Principal {
 /// What stored credential digests begin with, and stored names never do.
 const CREDENTIAL: &str = "auth:";
 
-/// The secure default: the [`Principal`] extension when an authentication layer set one,
-/// else [`Principal::from_credential`] of the `Authorization` header (so two credentials
-/// never share records, and no credential is ever stored), else anonymous.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct DefaultPrincipal;
+/// A secret for credential digests, prepared once: HMAC-SHA-256 under it.
+#[derive(Clone)]
+struct CredentialKey(Hmac<Sha256>);
+
+impl CredentialKey {
+    fn new(secret: &[u8]) -> Self {
+        // HMAC takes a key of any length.
+        Self(Hmac::new_from_slice(secret).unwrap_or_else(|_| unreachable!()))
+    }
+
+    fn principal(&self, credential: &[u8]) -> Principal {
+        let mut mac = self.0.clone();
+        mac.update(credential);
+        Principal::credential_digest(&mac.finalize().into_bytes())
+    }
+}
+
+/// The default: the [`Principal`] extension when an authentication layer set one, else a
+/// digest of the `Authorization` header (so two credentials never share records, and no
+/// credential is ever stored), else none (which the layer refuses unless the route
+/// [allows anonymous requests](crate::IdempotencyLayer::allow_anonymous)).
+///
+/// The digest is keyed with a secret ([`keyed`](Self::keyed), or the layer's
+/// [`credential_secret`](crate::IdempotencyLayer::credential_secret)) when one is given;
+/// without one it is a plain SHA-256, which anyone who reads the store can test guesses
+/// against (a Basic-auth password, say), and the first such digest logs a warning.
+///
+/// A digest of the header is the right scope only for a credential sent unchanged on
+/// every retry (an API key, Basic auth). For a JWT that is refreshed, or a request signed
+/// anew each time (AWS SigV4, HTTP message signatures), a retry would get a new scope and
+/// execute again: have the authentication layer set the verified subject as a
+/// [`Principal`] (the JWT's `sub`, the signer's access key id) instead.
+#[derive(Clone, Default)]
+pub struct DefaultPrincipal {
+    key: Option<CredentialKey>,
+    warned: Arc<AtomicBool>,
+}
+
+impl DefaultPrincipal {
+    /// Credential digests unkeyed (a warning is logged at the first).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Credential digests keyed with `secret` (HMAC-SHA-256,
+    /// [`Principal::from_credential_keyed`]): the same secret on every instance that
+    /// shares a store, at least 32 random bytes, kept like any other secret.
+    pub fn keyed(secret: impl AsRef<[u8]>) -> Self {
+        Self {
+            key: Some(CredentialKey::new(secret.as_ref())),
+            warned: Arc::default(),
+        }
+    }
+}
 
 impl ExtractPrincipal for DefaultPrincipal {
     fn extract(&self, parts: &Parts) -> Option<Principal> {
@@ -107,14 +195,36 @@ impl ExtractPrincipal for DefaultPrincipal {
             return Some(principal.clone());
         }
         let authorization = parts.headers.get(http::header::AUTHORIZATION)?;
-        Some(Principal::from_credential(authorization.as_bytes()))
+        Some(match &self.key {
+            Some(key) => key.principal(authorization.as_bytes()),
+            None => {
+                if !self.warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "idempotency scopes hold unkeyed SHA-256 digests of the Authorization \
+                         header, which can be tested against guessed credentials: give the \
+                         layer a secret (IdempotencyLayer::credential_secret), or set a \
+                         Principal extension in the authentication layer"
+                    );
+                }
+                Principal::from_credential(authorization.as_bytes())
+            }
+        })
+    }
+}
+
+impl fmt::Debug for DefaultPrincipal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DefaultPrincipal")
+            .field("keyed", &self.key.is_some())
+            .finish()
     }
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// Every request is anonymous: keys are shared by all callers. Only for services with one
-/// caller, or whose keys are globally unique by construction.
+/// caller, or whose keys are globally unique by construction
+/// ([`unscoped`](crate::IdempotencyLayer::unscoped)).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Unscoped;
 
@@ -126,7 +236,7 @@ impl ExtractPrincipal for Unscoped {
 
 /// A type-erased extractor, so the layer's type does not change with it.
 #[derive(Clone)]
-pub(crate) struct BoxedPrincipal(pub(crate) std::sync::Arc<dyn ExtractPrincipal>);
+pub(crate) struct BoxedPrincipal(pub(crate) Arc<dyn ExtractPrincipal>);
 
 impl fmt::Debug for BoxedPrincipal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -148,26 +258,46 @@ mod tests {
 
     #[test]
     fn default_digests_authorization_and_never_stores_it() {
-        let alice = DefaultPrincipal
-            .extract(&parts(Some("Bearer alice")))
-            .unwrap();
-        let bob = DefaultPrincipal
-            .extract(&parts(Some("Bearer bob")))
-            .unwrap();
+        let default = DefaultPrincipal::new();
+        let alice = default.extract(&parts(Some("Bearer alice"))).unwrap();
+        let bob = default.extract(&parts(Some("Bearer bob"))).unwrap();
         assert_ne!(alice, bob);
         assert!(!alice.as_str().contains("alice"));
         assert_eq!(alice.as_str().len(), 5 + 32);
-        assert_eq!(DefaultPrincipal.extract(&parts(None)), None);
+        assert_eq!(alice, Principal::from_credential(b"Bearer alice"));
+        assert_eq!(default.extract(&parts(None)), None);
     }
 
     #[test]
     fn extension_wins_over_authorization_and_is_stored_as_named() {
         let mut parts = parts(Some("Bearer alice"));
         parts.extensions.insert(Principal::new("u1"));
-        let extracted = DefaultPrincipal.extract(&parts).unwrap();
+        let extracted = DefaultPrincipal::new().extract(&parts).unwrap();
+        let keyed = DefaultPrincipal::keyed(b"secret").extract(&parts).unwrap();
+        assert_eq!(keyed, extracted, "a named principal is never digested");
         assert_eq!(extracted.as_str(), "u1");
         let by_closure = |_: &Parts| Some("u1".to_owned());
         assert_eq!(by_closure.extract(&parts), Some(extracted));
+    }
+
+    #[test]
+    fn a_keyed_digest_is_hmac_under_the_secret_and_the_same_on_every_instance() {
+        let (one, other) = (
+            DefaultPrincipal::keyed(b"s1"),
+            DefaultPrincipal::keyed(b"s1"),
+        );
+        let alice = parts(Some("Basic YWxpY2U6aHVudGVyMg=="));
+        let keyed = one.extract(&alice).unwrap();
+        assert_eq!(other.extract(&alice), Some(keyed.clone()));
+        assert_ne!(
+            DefaultPrincipal::keyed(b"s2").extract(&alice),
+            Some(keyed.clone())
+        );
+        assert_ne!(DefaultPrincipal::new().extract(&alice), Some(keyed.clone()));
+        // RFC 4231, test case 2: HMAC-SHA-256 of "what do ya want for nothing?" under "Jefe".
+        let expected = "auth:5bdcc146bf60754e6a042426089575c7";
+        let case = Principal::from_credential_keyed(b"Jefe", b"what do ya want for nothing?");
+        assert_eq!(case.as_str(), expected);
     }
 
     #[test]

@@ -47,6 +47,10 @@ pub enum RejectionKind {
     /// The key's request was executed, but its response was too large to keep
     /// ([`original_status`](Rejection::original_status)).
     NotReplayable,
+    /// The request named no principal, and the route does not allow anonymous requests
+    /// ([`allow_anonymous`](crate::IdempotencyLayer::allow_anonymous)): a configuration
+    /// to fix, not a client's error. Nothing was executed.
+    PrincipalMissing,
 }
 
 /// The rejection's data; each kind carries what only it has.
@@ -60,6 +64,7 @@ pub(crate) enum Reason {
     InProgress { retry_after: Duration },
     StoreUnavailable,
     NotReplayable { status: StatusCode },
+    PrincipalMissing,
 }
 
 /// How long a client is told to wait after the store was unreachable.
@@ -134,13 +139,15 @@ impl Rejection {
             Reason::InProgress { .. } => RejectionKind::InProgress,
             Reason::StoreUnavailable => RejectionKind::StoreUnavailable,
             Reason::NotReplayable { .. } => RejectionKind::NotReplayable,
+            Reason::PrincipalMissing => RejectionKind::PrincipalMissing,
         }
     }
 
     /// The crate's error code: `idempotency_key_required`, `invalid_idempotency_key`,
     /// `invalid_request_body`, `request_body_too_large`,
     /// `idempotency_key_reused_with_different_params`, `request_in_progress`,
-    /// `idempotency_store_unavailable` or `response_not_replayable`.
+    /// `idempotency_store_unavailable`, `response_not_replayable` or
+    /// `idempotency_principal_missing`.
     pub fn code(&self) -> &'static str {
         match self.reason {
             Reason::KeyRequired => "idempotency_key_required",
@@ -151,11 +158,13 @@ impl Rejection {
             Reason::InProgress { .. } => "request_in_progress",
             Reason::StoreUnavailable => "idempotency_store_unavailable",
             Reason::NotReplayable { .. } => "response_not_replayable",
+            Reason::PrincipalMissing => "idempotency_principal_missing",
         }
     }
 
     /// The status of the default JSON errors: `400` (key required or invalid, body
-    /// unreadable), `413`, `409` (reused, in progress, not replayable) or `503`.
+    /// unreadable), `413`, `409` (reused, in progress, not replayable), `503`, or `500`
+    /// (no principal on a route that needs one).
     pub fn status(&self) -> StatusCode {
         match self.reason {
             Reason::KeyRequired | Reason::InvalidKey | Reason::InvalidBody => {
@@ -166,6 +175,7 @@ impl Rejection {
             | Reason::InProgress { .. }
             | Reason::NotReplayable { .. } => StatusCode::CONFLICT,
             Reason::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Reason::PrincipalMissing => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -220,6 +230,7 @@ impl Rejection {
             Reason::InProgress { .. } => "A request is outstanding for this Idempotency-Key",
             Reason::StoreUnavailable => "Idempotency store is unavailable",
             Reason::NotReplayable { .. } => "Response cannot be replayed",
+            Reason::PrincipalMissing => "Idempotency scope has no principal",
         }
     }
 
@@ -257,6 +268,10 @@ impl Rejection {
                  large to keep; it will not be executed again.",
                 status.as_u16()
             ),
+            Reason::PrincipalMissing => "The request names no principal to scope its \
+                Idempotency-Key by, and this operation does not accept anonymous requests; \
+                nothing was executed."
+                .to_owned(),
         }
     }
 
@@ -315,6 +330,7 @@ impl Rejection {
                 code::FAILED_PRECONDITION,
                 format!(": it answered HTTP {}", status.as_u16()),
             ),
+            Reason::PrincipalMissing => (code::INTERNAL, String::new()),
         };
         let message = format!("{}{detail}", self.code());
         let mut headers = HeaderMap::with_capacity(4);
@@ -411,6 +427,11 @@ mod tests {
                 Reason::StoreUnavailable,
                 "14",
                 "idempotency_store_unavailable",
+            ),
+            (
+                Reason::PrincipalMissing,
+                "13",
+                "idempotency_principal_missing",
             ),
         ];
         for (reason, status, message) in cases {

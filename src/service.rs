@@ -3,7 +3,10 @@
 use std::{
     fmt,
     future::Future,
-    sync::Arc,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     task::{Context, Poll},
 };
 
@@ -97,8 +100,14 @@ where
         // The service that was made ready goes with this request; the clone stays for the next.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
+        let (parts, body) = request.into_parts();
+        let principal = config.principal.0.extract(&parts);
+        if principal.is_none() && !config.anonymous {
+            config.meters.answered(Outcome::PrincipalMissing);
+            return ResponseFuture::answered(refuse_anonymous(config, &parts));
+        }
         let (store, config) = (self.store.clone(), self.config.clone());
-        let keyed = keyed(inner, store, config, key, request.into_parts());
+        let keyed = keyed(inner, store, config, (principal, key), (parts, body));
         // A span no subscriber records is left out: entering it on every poll costs.
         let span = telemetry::request_span();
         if span.is_disabled() {
@@ -118,7 +127,7 @@ fn keyed<S, ReqBody, ResBody>(
     inner: S,
     store: Arc<dyn Store>,
     config: Arc<Config>,
-    key: IdempotencyKey,
+    (principal, key): (Option<Principal>, IdempotencyKey),
     (parts, body): (Parts, ReqBody),
 ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
 where
@@ -145,7 +154,7 @@ where
                 return Ok(rejection.into_response(Protocol::of(&parts.headers), &config));
             }
         };
-        let scope = scope(&config, &parts, key);
+        let scope = scope(&config, &parts, principal.as_ref(), key);
         telemetry::show_scope(&scope, config.span_key, config.span_principal);
         let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
         execute::run::<S, ReqBody, ResBody>(inner, store, config, scope, fingerprint, (parts, body))
@@ -162,6 +171,28 @@ fn reject<ReqBody, ResBody>(
     let (method, uri, extensions) = (request.method(), request.uri(), request.extensions());
     let endpoint = endpoint(config, method, uri, extensions).concat();
     Rejection::new(reason, Some(endpoint)).into_response(Protocol::of(request.headers()), config)
+}
+
+/// The answer to a keyed request that names no principal on a route that allows no
+/// anonymous requests. The first one logs an error naming the fix; the rest, a debug line
+/// (each is also counted: `idempotency_requests_total{outcome="principal_missing"}`).
+fn refuse_anonymous<ResBody>(config: &Config, parts: &Parts) -> Response<ResponseBody<ResBody>> {
+    static LOGGED: AtomicBool = AtomicBool::new(false);
+    let endpoint = endpoint(config, &parts.method, &parts.uri, &parts.extensions).concat();
+    if LOGGED.swap(true, Ordering::Relaxed) {
+        tracing::debug!(%endpoint, "idempotency: a keyed request named no principal: refused");
+    } else {
+        tracing::error!(
+            %endpoint,
+            "idempotency: a keyed request named no principal, and sharing one anonymous scope \
+             between its callers was not chosen: refused with 500. Set a Principal extension \
+             in the authentication layer (or name the principal with \
+             IdempotencyLayer::principal), or opt in with IdempotencyLayer::allow_anonymous \
+             or IdempotencyLayer::unscoped"
+        );
+    }
+    let rejection = Rejection::new(Reason::PrincipalMissing, Some(endpoint));
+    rejection.into_response(Protocol::of(&parts.headers), config)
 }
 
 async fn buffer_request<B>(parts: &Parts, body: B, limit: usize) -> Result<Bytes, Reason>
@@ -217,10 +248,14 @@ where
 
 /// The request's scope; the endpoint goes into the storage key in pieces, never assembled
 /// on its own.
-fn scope(config: &Config, parts: &Parts, key: IdempotencyKey) -> Scope {
-    let principal = config.principal.0.extract(parts);
+fn scope(
+    config: &Config,
+    parts: &Parts,
+    principal: Option<&Principal>,
+    key: IdempotencyKey,
+) -> Scope {
     let endpoint = endpoint(config, &parts.method, &parts.uri, &parts.extensions);
-    Scope::from_parts(principal.as_ref().map(Principal::as_str), &endpoint, key)
+    Scope::from_parts(principal.map(Principal::as_str), &endpoint, key)
 }
 
 /// The endpoint part of a request's scope, in pieces: the layer's endpoint name, or

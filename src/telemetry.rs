@@ -47,10 +47,12 @@ pub(crate) enum Outcome {
     Released,
     /// The handler ran and its response was too large to record: retries get `409`.
     NotReplayable,
+    /// `500`: the request named no principal and the route allows no anonymous requests.
+    PrincipalMissing,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 13] = [
+    const ALL: [Outcome; 14] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Waited,
@@ -64,6 +66,7 @@ impl Outcome {
         Outcome::FailOpen,
         Outcome::Released,
         Outcome::NotReplayable,
+        Outcome::PrincipalMissing,
     ];
 
     pub(crate) const fn label(self) -> &'static str {
@@ -81,6 +84,7 @@ impl Outcome {
             Outcome::FailOpen => "fail_open",
             Outcome::Released => "released",
             Outcome::NotReplayable => "not_replayable",
+            Outcome::PrincipalMissing => "principal_missing",
         }
     }
 }

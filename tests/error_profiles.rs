@@ -568,6 +568,7 @@ async fn a_stripe_style_renderer_renders_every_rejection_it_is_given() {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let handler = Handler::default();
     let layer = IdempotencyLayer::from_shared(store)
+        .allow_anonymous()
         .required()
         .max_request_body(64)
         .render_rejections(stripe_style);
@@ -618,7 +619,9 @@ async fn a_renderers_own_retry_after_is_kept() {
             .insert(header::RETRY_AFTER, http::HeaderValue::from_static("7"));
         response
     };
-    let layer = IdempotencyLayer::from_shared(store).render_rejections(own_wait);
+    let layer = IdempotencyLayer::from_shared(store)
+        .allow_anonymous()
+        .render_rejections(own_wait);
     let app = app::router(&handler, layer);
     let running = tokio::spawn({
         let app = app.clone();
@@ -640,7 +643,9 @@ async fn a_stripe_style_renderer_renders_an_unreachable_store() {
     let mut redis = RedisServer::start();
     let store: Arc<dyn Store> = Arc::new(RedisStore::open(&redis.url()).await.unwrap());
     let handler = Handler::default();
-    let layer = IdempotencyLayer::from_shared(store).render_rejections(stripe_style);
+    let layer = IdempotencyLayer::from_shared(store)
+        .allow_anonymous()
+        .render_rejections(stripe_style);
     let app = app::router(&handler, layer);
     app::send(&app, app::post("/pay").key("warm"))
         .await
@@ -668,6 +673,7 @@ async fn a_response_too_large_is_rendered_when_recorded_and_replayed() {
         }
     };
     let layer = IdempotencyLayer::from_shared(store)
+        .allow_anonymous()
         .max_response_body(16)
         .render_rejections(counted);
     let app = app::router(&handler, layer);

@@ -24,8 +24,8 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_idempotency::{
-    store::Claim, store::Fenced, Fingerprint, IdempotencyKey, Principal, Scope, Store,
-    StoredResponse,
+    store::Claim, store::Fenced, Fingerprint, IdempotencyKey, IdempotencyLayer, Principal, Scope,
+    Store, StoredResponse,
 };
 
 use support::app::*;
@@ -52,6 +52,9 @@ for_each_store!(
     completing_twice_with_one_token_is_harmless,
     scope_parts_never_splice,
     principals_are_isolated_by_default,
+    a_keyed_request_without_a_principal_is_refused_unless_the_route_opts_in,
+    credential_digests_are_keyed_by_the_layers_secret,
+    set_cookie_is_replayed_only_when_chosen,
     principal_extension_from_an_auth_layer,
     one_principal_one_scope_however_named,
     endpoints_scope_keys,
@@ -70,7 +73,8 @@ for_each_store!(
 
 async fn first_execution_then_byte_exact_replay(store: Arc<dyn Store>) {
     let handler = Handler::default();
-    let app = router(&handler, layer(&store));
+    // Every header replayed, the handler's cookies included.
+    let app = router(&handler, layer(&store).replay_set_cookie());
     let first = send(&app, post("/pay").key("k1").body("amount=100")).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.replayed());
@@ -664,6 +668,126 @@ async fn principals_are_isolated_by_default(store: Arc<dyn Store>) {
     assert!(!send(&app, post("/pay").key("shared")).await.replayed());
     assert!(send(&app, as_user("alice")).await.replayed());
     assert_eq!(handler.executions(), 3);
+}
+
+/// A cookie-session (or mTLS) app: no `Principal` extension, no `Authorization` header. By
+/// default the layer refuses its keyed requests, executes and claims nothing, and says
+/// what is missing; an unkeyed request on an optional route still passes. A route that
+/// opts in shares one anonymous scope between its callers.
+async fn a_keyed_request_without_a_principal_is_refused_unless_the_route_opts_in(
+    store: Arc<dyn Store>,
+) {
+    let handler = Handler::default();
+    let strict = router(&handler, IdempotencyLayer::from_shared(store.clone()));
+    let as_session = |key: &str, session: &str| {
+        post("/pay")
+            .key(key)
+            .header("cookie", &format!("session={session}"))
+    };
+    let refused = send(&strict, as_session("anonymous", "a")).await;
+    assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(refused.error(), "idempotency_principal_missing");
+    assert!(refused.headers.get("set-cookie").is_none());
+    assert_eq!(handler.executions(), 0, "nothing executed");
+    let claim = store
+        .claim(
+            &scope("anonymous"),
+            Fingerprint::from_bytes([0; 32]),
+            Duration::from_secs(1),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(claim, Claim::Claimed(_)),
+        "nothing claimed: {claim:?}"
+    );
+    send(&strict, post("/pay")).await.assert_executed();
+    let named = post("/pay")
+        .key("named")
+        .header("authorization", "Bearer a");
+    send(&strict, named).await.assert_executed();
+    assert_eq!(handler.executions(), 2);
+
+    let opted_in = [
+        IdempotencyLayer::from_shared(store.clone()).allow_anonymous(),
+        IdempotencyLayer::from_shared(store.clone()).unscoped(),
+    ];
+    for (at, layer) in opted_in.into_iter().enumerate() {
+        let app = router(&handler, layer);
+        let key = format!("opted-in-{at}");
+        send(&app, as_session(&key, "a")).await.assert_executed();
+        // Another session, the same key and body: the one anonymous scope's record.
+        assert!(send(&app, as_session(&key, "b")).await.replayed());
+    }
+    assert_eq!(handler.executions(), 4);
+}
+
+/// With a secret, the `Authorization` digest is an HMAC under it: two instances with the
+/// same secret share scopes, another secret starts afresh, and the store holds neither the
+/// credential nor its plain SHA-256 (which a reader of the store could test guesses
+/// against).
+async fn credential_digests_are_keyed_by_the_layers_secret(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let secret = b"0123456789abcdef0123456789abcdef";
+    let keyed = |secret: &[u8]| {
+        let layer = IdempotencyLayer::from_shared(store.clone()).credential_secret(secret);
+        router(&handler, layer)
+    };
+    let (one, other_instance, rotated) = (keyed(secret), keyed(secret), keyed(b"another"));
+    let credential = "Basic YWxpY2U6aHVudGVyMg==";
+    let as_alice = || {
+        post("/pay")
+            .key("keyed")
+            .header("authorization", credential)
+    };
+    send(&one, as_alice()).await.assert_executed();
+    assert!(send(&other_instance, as_alice()).await.replayed());
+    send(&rotated, as_alice()).await.assert_executed();
+    assert_eq!(handler.executions(), 2);
+    let scope_of = |principal: Principal| {
+        let key = IdempotencyKey::parse(&HeaderValue::from_static("keyed")).unwrap();
+        Scope::new(Some(principal.as_str().into()), "POST /pay".into(), key)
+    };
+    let found = |principal| {
+        let scope = scope_of(principal);
+        let store = store.clone();
+        async move {
+            let fingerprint = Fingerprint::from_bytes([0; 32]);
+            store
+                .claim(&scope, fingerprint, Duration::from_secs(1))
+                .await
+                .unwrap()
+        }
+    };
+    let by_secret = Principal::from_credential_keyed(secret, credential.as_bytes());
+    assert!(matches!(found(by_secret).await, Claim::Completed { .. }));
+    let plain = Principal::from_credential(credential.as_bytes());
+    assert!(matches!(found(plain).await, Claim::Claimed(_)));
+}
+
+/// The first response carries the handler's cookies to its client; a replay, which goes to
+/// whoever sends the key again, carries none, unless the route chooses to replay them.
+async fn set_cookie_is_replayed_only_when_chosen(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let cookies = |answer: &Answer| {
+        let cookies = answer.headers.get_all("set-cookie").iter();
+        cookies
+            .map(|value| value.to_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let app = router(&handler, layer(&store));
+    let first = send(&app, post("/pay").key("cookies")).await;
+    assert_eq!(cookies(&first), ["a=1", "b=2"]);
+    let replay = send(&app, post("/pay").key("cookies")).await;
+    assert!(replay.replayed());
+    assert!(cookies(&replay).is_empty(), "{:?}", replay.headers);
+    assert_eq!(replay.body, first.body);
+
+    let kept = router(&handler, layer(&store).replay_set_cookie());
+    send(&kept, post("/pay").key("cookies-kept")).await;
+    let replay = send(&kept, post("/pay").key("cookies-kept")).await;
+    assert!(replay.replayed());
+    assert_eq!(cookies(&replay), ["a=1", "b=2"]);
 }
 
 async fn principal_extension_from_an_auth_layer(store: Arc<dyn Store>) {

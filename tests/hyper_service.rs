@@ -45,7 +45,11 @@ async fn serve(calls: Arc<AtomicUsize>) -> std::net::SocketAddr {
         }
     });
     let service = ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(MemoryStore::new()).methods([Method::POST]))
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .allow_anonymous()
+                .methods([Method::POST]),
+        )
         .service(service);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -283,7 +283,7 @@ async fn unreachable_database_fails_closed() {
     };
     let app = Router::new()
         .route("/v1/payments", post(handler))
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).allow_anonymous());
     let request = Request::post("/v1/payments")
         .header("idempotency-key", "k")
         .body(Body::empty())
@@ -618,7 +618,7 @@ async fn pay(app: &Router, key: &str, body: &'static str) -> http::Response<Body
 async fn a_cache_in_front_of_a_counting_store_lets_every_replay_be_counted() {
     let store = support::postgres_store().await.count_replays();
     let cached = tower_idempotency::store::CachedStore::new(store.clone(), 1000);
-    let (app, executed) = payments_app(IdempotencyLayer::new(cached));
+    let (app, executed) = payments_app(IdempotencyLayer::new(cached).allow_anonymous());
 
     let first = pay(&app, "cached", r#"{"amount":1000}"#).await;
     assert_eq!(first.status(), StatusCode::CREATED);
@@ -831,7 +831,9 @@ async fn duplicates_woken_together_are_each_counted() {
         .await
         .announce_outcomes()
         .count_replays();
-    let layer = IdempotencyLayer::new(store.clone()).wait_for_original(Duration::from_secs(20));
+    let layer = IdempotencyLayer::new(store.clone())
+        .allow_anonymous()
+        .wait_for_original(Duration::from_secs(20));
     let (entered, gate) = (
         Arc::new(std::sync::atomic::AtomicU64::new(0)),
         Arc::new(tokio::sync::Semaphore::new(0)),

@@ -371,7 +371,8 @@ impl CommandCounter {
 #[tokio::test]
 async fn each_request_costs_the_documented_round_trips() {
     let server = RedisServer::start();
-    let layer = IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap());
+    let layer =
+        IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap()).allow_anonymous();
     let handler = Handler::default();
     let app = handler.behind(&layer);
     let gate = Arc::new(Gate::default());
@@ -681,7 +682,7 @@ async fn two_layers_on_two_connections_execute_a_key_once() {
             .await
             .unwrap()
             .prefix(prefix.clone());
-        apps.push(handler.behind(&IdempotencyLayer::new(store)));
+        apps.push(handler.behind(&IdempotencyLayer::new(store).allow_anonymous()));
     }
 
     let key = new_key("race");
@@ -727,11 +728,14 @@ const OUTAGE_BOUND: Duration = Duration::from_secs(15);
 async fn an_outage_fails_closed_recovers_by_itself_or_fails_open() {
     let mut server = RedisServer::start();
     let handler = Handler::default();
-    let closed = handler.behind(&IdempotencyLayer::new(
-        RedisStore::open(&server.url()).await.unwrap(),
-    ));
-    let open = handler
-        .behind(&IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap()).fail_open());
+    let closed = handler.behind(
+        &IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap()).allow_anonymous(),
+    );
+    let open = handler.behind(
+        &IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap())
+            .allow_anonymous()
+            .fail_open(),
+    );
     send(&closed, post(&new_key("before"), "{}"))
         .await
         .assert_executed();
@@ -804,7 +808,11 @@ async fn a_claim_answered_late_fails_closed_and_frees_its_key() {
         .unwrap()
         .timeout(Duration::from_millis(200));
     let handler = Handler::default();
-    let app = handler.behind(&IdempotencyLayer::new(store).lease(Duration::from_secs(60)));
+    let app = handler.behind(
+        &IdempotencyLayer::new(store)
+            .allow_anonymous()
+            .lease(Duration::from_secs(60)),
+    );
     send(&app, post(&new_key("warm"), "{}"))
         .await
         .assert_executed();
@@ -879,6 +887,7 @@ fn current_thread_runtime() -> tokio::runtime::Runtime {
 #[tokio::test]
 async fn a_running_handler_keeps_its_lease_past_three_leases() {
     let layer = IdempotencyLayer::new(support::redis_store("renewal").await)
+        .allow_anonymous()
         .lease(Duration::from_millis(300));
     let handler = Handler::slow(Duration::from_secs(1));
     let app = handler.behind(&layer);
@@ -907,8 +916,9 @@ async fn a_running_handler_keeps_its_lease_past_three_leases() {
 async fn cached_replays_make_no_round_trip_after_the_first() {
     let server = RedisServer::start();
     let redis = RedisStore::open(&server.url()).await.unwrap();
-    let cached = IdempotencyLayer::new(CachedStore::new(redis, 100));
-    let plain = IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap());
+    let cached = IdempotencyLayer::new(CachedStore::new(redis, 100)).allow_anonymous();
+    let plain =
+        IdempotencyLayer::new(RedisStore::open(&server.url()).await.unwrap()).allow_anonymous();
     let handler = Handler::default();
     let (app, other_app) = (handler.behind(&cached), handler.behind(&plain));
     let mut counter = CommandCounter::connect(&server).await;

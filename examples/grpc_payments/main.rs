@@ -35,7 +35,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     store::init_logging();
     let mut layer = IdempotencyLayer::from_shared(store::from_env().await?)
         .required()
-        .principal(service::bearer_user);
+        .principal(service::bearer_user)
+        // A call without a bearer token is anonymous: a demo's choice.
+        .allow_anonymous();
     if let Some(ttl) = store::env_secs("IDEMPOTENCY_TTL_SECS")? {
         layer = layer.ttl(ttl);
     }

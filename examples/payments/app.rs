@@ -94,7 +94,10 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
     let mut layer = IdempotencyLayer::from_shared(store)
         .ttl(settings.ttl)
         .lease(settings.lease)
-        .principal(bearer_user);
+        .principal(bearer_user)
+        // A request without a bearer token is anonymous: a demo's choice. A real service
+        // would have its authentication layer refuse it, or set a `Principal`.
+        .allow_anonymous();
     if let Some(problems) = settings.problems {
         layer = layer.render_rejections(problems);
     }
