@@ -116,7 +116,8 @@ count_default_keys() {
   default_keys_before=$(count_on_targets "$DEFAULT_KEYS") || default_keys_before="?"
 }
 
-# Removes the suite's data: its Redis keys, its schema, and any crash-test databases.
+# Removes the suite's data: its Redis keys, its schema, any crash-test databases, and any
+# attacker roles left by tests/forged_announcements.rs.
 remove_test_data() {
   local url db
   for url in "${redis_targets[@]}"; do
@@ -125,6 +126,11 @@ remove_test_data() {
   drop_test_schema || log "could not drop the schema $TEST_SCHEMA"
   for db in $(pg -c "SELECT datname FROM pg_database WHERE $TEST_DATABASES"); do
     pg -c "DROP DATABASE IF EXISTS \"$db\" WITH (FORCE)" || log "could not drop $db"
+  done
+  # The attackers' roles of tests/forged_announcements.rs (each test drops its own; one cut
+  # short may have left it).
+  for role in $(pg -c "SELECT rolname FROM pg_roles WHERE rolname LIKE 'idempotency\_test\_attacker\_%'"); do
+    pg -c "DROP OWNED BY \"$role\"" -c "DROP ROLE IF EXISTS \"$role\"" || log "could not drop the role $role"
   done
 }
 

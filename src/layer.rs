@@ -546,8 +546,9 @@ impl IdempotencyLayer {
         doc = "`PostgresStore::announce_outcomes`);"
     )]
     /// the waiters one announcement wakes read the key once between them, or none reads it
-    /// where the announcement carries the record (on the original's instance, and on
-    /// others for a small record). A store that announces nothing (one made from a bare
+    /// on the original's instance, where they are handed the record it wrote (an
+    /// announcement from the store never carries one: whoever can publish or notify could
+    /// have sent it, so it only ever makes the waiters read). A store that announces nothing (one made from a bare
     /// connection or pool, or a store of one's own) is read again every 20 ms, doubling up
     /// to 200 ms.
     /// Every waiter also reads its key again when the holder's lease would run out.

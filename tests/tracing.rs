@@ -13,7 +13,7 @@ use support::{
     logs::Logs,
 };
 use tower::ServiceExt;
-use tower_idempotency::{MemoryStore, SpanField, Store};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, SpanField, Store};
 
 /// The default digest of `value`: the first 12 hex digits of its SHA-256.
 fn digest(value: &str) -> String {
@@ -130,4 +130,61 @@ async fn the_span_follows_an_execution_whose_client_went_away() {
     let logs = logs.dump();
     assert!(recorded(&logs), "{logs}");
     assert_eq!(handler.executions(), 1);
+}
+
+/// The lines of `logs` at `level` that contain `text`.
+fn logged<'a>(logs: &'a str, level: &str, text: &str) -> Vec<&'a str> {
+    logs.lines()
+        .filter(|line| line.contains(level) && line.contains(text))
+        .collect()
+}
+
+/// Scoping by an unkeyed digest of the `Authorization` header warns once per layer, naming
+/// the fix; a layer with a secret does not warn.
+#[tokio::test]
+async fn an_unkeyed_credential_digest_is_warned_of_once() {
+    let (logs, _guard) = Logs::capture();
+    let handler = Handler::default();
+    let as_alice = |key: &str| {
+        post("/pay")
+            .key(key)
+            .header("authorization", "Basic YWxpY2U=")
+    };
+    let unkeyed = router(&handler, IdempotencyLayer::from_shared(store()));
+    for key in ["one", "two"] {
+        send(&unkeyed, as_alice(key)).await.assert_executed();
+    }
+    let keyed = IdempotencyLayer::from_shared(store()).credential_secret([7; 32]);
+    let keyed = router(&handler, keyed);
+    send(&keyed, as_alice("three")).await.assert_executed();
+    let logs = logs.dump();
+    assert_eq!(
+        logged(&logs, "WARN", "credential_secret").len(),
+        1,
+        "{logs}"
+    );
+}
+
+/// A keyed request that names no principal is refused, and the first refusal logs an error
+/// that names the ways to fix it.
+#[tokio::test]
+async fn a_request_without_a_principal_logs_the_fix_once() {
+    let (logs, _guard) = Logs::capture();
+    let handler = Handler::default();
+    let app = router(&handler, IdempotencyLayer::from_shared(store()));
+    for key in ["one", "two"] {
+        let answer = send(&app, post("/pay").key(key)).await;
+        assert_eq!(answer.error(), "idempotency_principal_missing");
+    }
+    assert_eq!(handler.executions(), 0);
+    let logs = logs.dump();
+    let errors = logged(&logs, "ERROR", "allow_anonymous");
+    assert_eq!(errors.len(), 1, "{logs}");
+    for fix in [
+        "Principal extension",
+        "IdempotencyLayer::principal",
+        "unscoped",
+    ] {
+        assert!(errors[0].contains(fix), "{logs}");
+    }
 }

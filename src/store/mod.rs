@@ -315,7 +315,9 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// the record ([`Announcements::announce_completed`]) spares its waiters a read. A
     /// store whose report of its own write can come back before the write's reply marks
     /// the write first ([`Announcements::ending`]): the report, heard early, then wakes
-    /// nobody, and the waiters are still handed the record.
+    /// nobody, and the waiters are still handed the record. Hand waiters only records
+    /// this process wrote: a report from the backend (a message, a notification) may have
+    /// been sent by anyone allowed to send one, so it only ever wakes them to read.
     async fn watch(&self, _scope: &Scope) -> Result<Option<Watch>> {
         Ok(None)
     }
