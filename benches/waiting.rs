@@ -4,7 +4,8 @@
 //! another one, 1 and 1 000 at a time; and for 1 000, from the original's write returning
 //! instead (the store's write left out; on the original's instance the store has begun to
 //! wake its waiters by then). The same with a store that announces nothing shows what
-//! polling would give. Prints a Markdown table.
+//! polling would give, and with Redis stores that sign the records their messages carry,
+//! what that saves another instance's waiters. Prints a Markdown table.
 //!
 //! `cargo bench --bench waiting` (Redis: a redis-server of its own on a free port;
 //! PostgreSQL: `DATABASE_URL`, default the local server, on a table of its own;
@@ -235,6 +236,12 @@ async fn redis_store(url: &str, prefix: &str) -> Arc<dyn Store> {
     Arc::new(store.announce_outcomes())
 }
 
+/// [`redis_store`], its completions' messages carrying their records, signed.
+async fn redis_store_signed(url: &str, prefix: &str) -> Arc<dyn Store> {
+    let store = RedisStore::open(url).await.unwrap().prefix(prefix);
+    Arc::new(store.announce_signed_records(b"the instances' shared secret"))
+}
+
 async fn postgres_store(url: &str) -> Arc<dyn Store> {
     let store = PostgresStore::connect(url)
         .await
@@ -270,6 +277,9 @@ async fn main() {
         Arc::new(Observed::silent(b)),
     )
     .await;
+    let a = redis_store_signed(&redis_url, "bench:").await;
+    let b = redis_store_signed(&redis_url, "bench:").await;
+    row("Redis, another instance, signed records", a, b).await;
 
     let a = postgres_store(&postgres_url).await;
     row("PostgreSQL, same instance", a.clone(), a.clone()).await;

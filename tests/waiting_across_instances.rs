@@ -116,6 +116,25 @@ across_instances!(
     a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
 );
 
+across_instances!(
+    redis_signed: a_duplicate_on_another_instance_gets_the_replay,
+    the_duplicates_on_another_instance_are_handed_the_record,
+    a_larger_record_is_handed_to_the_duplicates_that_listen,
+    a_large_record_is_read_once_for_the_duplicates,
+    a_duplicate_on_another_instance_executes_when_the_original_is_released,
+    a_watch_is_woken_by_the_other_instance,
+    each_instance_hears_the_end_of_a_claim_once,
+);
+across_instances!(
+    redis_cluster_signed: a_duplicate_on_another_instance_gets_the_replay,
+    the_duplicates_on_another_instance_are_handed_the_record,
+    a_larger_record_is_handed_to_the_duplicates_that_listen,
+    a_large_record_is_read_once_for_the_duplicates,
+    a_duplicate_on_another_instance_executes_when_the_original_is_released,
+    a_watch_is_woken_by_the_other_instance,
+    each_instance_hears_the_end_of_a_claim_once,
+);
+
 const BOUND: Duration = Duration::from_secs(10);
 /// How long a woken watch may take to answer: far more than a notification takes, and
 /// still far less than the bound a waiter without one would sit out.
@@ -257,7 +276,23 @@ async fn the_duplicates_on_another_instance_read_the_key_once(instances: Instanc
     assert_eq!(after, to_wait + 1);
 }
 
-/// However large the record, it is read once for all the duplicates waiting on B.
+/// Instances that sign their records: the completion's message carries the record, and
+/// the duplicates waiting on B take it once its signature checks; B reads the key only as
+/// it did to begin waiting.
+async fn the_duplicates_on_another_instance_are_handed_the_record(instances: Instances) {
+    let (to_wait, after) = reads_of_duplicates_on_b(instances, "handed", 100).await;
+    assert_eq!(after, to_wait, "a duplicate read the key");
+}
+
+/// A signed record of a few KiB is carried only to a key somebody listens on, as B's
+/// duplicates do: they are handed it too.
+async fn a_larger_record_is_handed_to_the_duplicates_that_listen(instances: Instances) {
+    let (to_wait, after) = reads_of_duplicates_on_b(instances, "handed-larger", 5_000).await;
+    assert_eq!(after, to_wait, "a duplicate read the key");
+}
+
+/// However large the record (over 64 KiB, none is carried), it is read once for all the
+/// duplicates waiting on B.
 async fn a_large_record_is_read_once_for_the_duplicates(instances: Instances) {
     let (to_wait, after) = reads_of_duplicates_on_b(instances, "large", 70_000).await;
     assert_eq!(after, to_wait + 1);
@@ -742,6 +777,51 @@ async fn redis_sentinel() -> Instances {
     let nodes = Nodes::Sentinel(support::urls_from("REDIS_SENTINEL_URLS"));
     let held = Held::Redis(b.clone(), nodes);
     Instances::of(a, b, held)
+}
+
+/// The secret that signing instances share.
+const SECRET: &[u8] = b"the secret every instance of the service shares";
+
+async fn redis_signed() -> Instances {
+    let a = support::redis_store("waiting_across").await;
+    let b = RedisStore::open(&support::redis_url()).await.unwrap();
+    let (a, b) = signing(a, b, SECRET);
+    let nodes = Nodes::Urls(vec![support::redis_url()]);
+    let held = Held::Redis(b.clone(), nodes);
+    Instances::of(a, b, held)
+}
+
+async fn redis_cluster_signed() -> Instances {
+    let (a, b) = signing(
+        support::cluster_store("waiting_across").await,
+        support::cluster_store("waiting_across").await,
+        SECRET,
+    );
+    let nodes = Nodes::Shards(support::urls_from("REDIS_CLUSTER_URLS"));
+    let held = Held::Redis(b.clone(), nodes);
+    Instances::of(a, b, held)
+}
+
+/// Two stores as two instances of one service: `b` under `a`'s key prefix, `a` signing
+/// with `SECRET` and `b` with `secret`.
+fn signing(a: RedisStore, b: RedisStore, secret: &[u8]) -> (RedisStore, RedisStore) {
+    let a = a.announce_signed_records(SECRET);
+    let b = b.prefix(a.key_prefix()).announce_signed_records(secret);
+    (a, b)
+}
+
+/// An instance whose secret is not the signer's cannot check the record a message
+/// carries: its waiters read the key, once for them all, and get the original's replay.
+#[tokio::test]
+async fn redis_an_instance_with_another_secret_reads_the_key() {
+    let a = support::redis_store("waiting_across").await;
+    let b = RedisStore::open(&support::redis_url()).await.unwrap();
+    let (a, b) = signing(a, b, b"another secret");
+    let nodes = Nodes::Urls(vec![support::redis_url()]);
+    let held = Held::Redis(b.clone(), nodes);
+    let instances = Instances::of(a, b, held);
+    let (to_wait, after) = reads_of_duplicates_on_b(instances, "other-secret", 100).await;
+    assert_eq!(after, to_wait + 1);
 }
 
 /// Two stores as two instances of one service: `b` under `a`'s key prefix, both

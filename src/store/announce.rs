@@ -165,17 +165,35 @@ impl Announcements {
         token: ClaimToken,
         completed: impl FnOnce() -> Claim,
     ) {
-        self.complete(key, token, Slot::written, completed);
+        self.complete(key, token, Slot::written, || Some(completed()));
+    }
+
+    /// Announces that the claim `token` held on `key` ended, as a store's notification
+    /// reports it ([`announce_end`](Self::announce_end)), with the completed record
+    /// `record` makes of what the report carries, if it makes one: the waiters take it as
+    /// with [`announce_completed`](Self::announce_completed); without one they read the
+    /// key. `record` must make one only of what the store proved it wrote (a signature
+    /// under the application's secret, checked): whoever can send the store's reports
+    /// could send any other. It runs only when somebody watches the key and the end is
+    /// news, so a report its own write already handed over, or nobody waits for, costs no
+    /// check.
+    pub fn announce_end_with(
+        &self,
+        key: &str,
+        token: ClaimToken,
+        record: impl FnOnce() -> Option<Claim>,
+    ) {
+        self.complete(key, token, Slot::reported, record);
     }
 
     /// Hands the record `completed` makes to the watches on `key` if the end of the claim
-    /// `token` is news to `heard`.
+    /// `token` is news to `heard`; wakes them to read the key if it makes none.
     fn complete(
         &self,
         key: &str,
         token: ClaimToken,
         heard: fn(&Slot, ClaimToken) -> bool,
-        completed: impl FnOnce() -> Claim,
+        completed: impl FnOnce() -> Option<Claim>,
     ) {
         if !self.anyone_watching() {
             return;
@@ -184,7 +202,9 @@ impl Announcements {
         let Some(slot) = keys.get(key).filter(|slot| heard(slot, token)) else {
             return;
         };
-        let completed = completed();
+        let Some(completed) = completed() else {
+            return slot.changed();
+        };
         // Announcements are made under the board's lock: this is the count the change makes.
         let changes = slot.changes.load(Ordering::Acquire) + 1;
         let read = SharedRead {
@@ -413,7 +433,7 @@ impl Ending<'_> {
     pub fn completed(self, completed: impl FnOnce() -> Claim) {
         let this = std::mem::ManuallyDrop::new(self);
         this.announcements
-            .complete(this.key, this.token, Slot::written, completed);
+            .complete(this.key, this.token, Slot::written, || Some(completed()));
     }
 
     /// The claim was released: the watches read the key, one for them all.
@@ -571,6 +591,23 @@ mod tests {
         (reads, read)
     }
 
+    /// A read whose first call is `first`, and each later one finds the key completed; and
+    /// the count of its calls.
+    fn first_read_then_completed(
+        first: impl Fn() -> Read + Clone + Send + 'static,
+    ) -> (Arc<AtomicUsize>, impl Fn() -> Read + Clone) {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&reads);
+        let read = move || {
+            if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                first()
+            } else {
+                Box::pin(async { Ok(completed()) }) as Read
+            }
+        };
+        (reads, read)
+    }
+
     /// A board with a hundred waiters on "k", whose reads take `taking` and are counted.
     async fn a_hundred_waiting(
         taking: Duration,
@@ -611,23 +648,16 @@ mod tests {
     #[tokio::test]
     async fn a_report_heard_first_never_hides_the_real_end() {
         let board = Announcements::new();
-        let reads = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&reads);
         // The first read finds the key in progress (the made-up report); the next, its record.
-        let read = move || {
-            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
-            Box::pin(async move {
-                Ok(if first {
-                    Claim::InProgress {
-                        fingerprint: Fingerprint::from_bytes([1; 32]),
-                        lease_remaining: Duration::from_secs(30),
-                        running_for: None,
-                    }
-                } else {
-                    completed()
+        let (reads, read) = first_read_then_completed(|| {
+            Box::pin(async {
+                Ok(Claim::InProgress {
+                    fingerprint: Fingerprint::from_bytes([1; 32]),
+                    lease_remaining: Duration::from_secs(30),
+                    running_for: None,
                 })
-            }) as Read
-        };
+            })
+        });
         let token = ClaimToken::unique();
         let waiters = waiters_reading(&board, 10, read.clone()).await;
         board.announce_end("k", token);
@@ -732,18 +762,8 @@ mod tests {
     #[tokio::test]
     async fn a_reader_that_goes_away_passes_the_read_on() {
         let board = Announcements::new();
-        let reads = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&reads);
         // The first read never ends; the next finds the record.
-        let read = move || {
-            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
-            Box::pin(async move {
-                if first {
-                    std::future::pending::<()>().await;
-                }
-                Ok(completed())
-            }) as Read
-        };
+        let (reads, read) = first_read_then_completed(|| Box::pin(std::future::pending()));
         let mut waiters = waiters_reading(&board, 10, read).await;
         board.announce("k");
         tokio::time::sleep(Duration::from_millis(20)).await;

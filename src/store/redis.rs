@@ -5,6 +5,7 @@ mod channel;
 mod cluster;
 mod primary;
 mod replicas;
+mod signed;
 mod subscriber;
 
 use std::{
@@ -31,6 +32,7 @@ use self::{
     cluster::Cluster,
     primary::Primary,
     replicas::Replicas,
+    signed::Signer,
     subscriber::{Source, Subscriber},
 };
 use super::{Announcements, Claim, Ending, Error, Fenced, Result, Store, Watch};
@@ -99,8 +101,10 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return false",
 /// `WAIT` after it, on whatever connection, waits for the record.
 static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_script("")));
 /// [`COMPLETE`], announcing the completion ([`RedisStore::announce_outcomes`]) on the
-/// channel `ARGV[4]`.
-static COMPLETE_ANNOUNCED: LazyLock<Lua> = LazyLock::new(|| Lua::new(complete_script(PUBLISH)));
+/// channel its last argument names; with five arguments, `ARGV[4]` is the record's
+/// signature ([`RedisStore::announce_signed_records`]).
+static COMPLETE_ANNOUNCED: LazyLock<Lua> =
+    LazyLock::new(|| Lua::new(complete_script(&announce_completion("PUBLISH", "NUMSUB"))));
 /// Sent whole (`EVAL`), not by hash: a release often goes out for a claim nobody awaits any
 /// more (its request went away or timed out), and then no one would be there to load the
 /// script and retry if Redis answered `NOSCRIPT`.
@@ -109,8 +113,12 @@ static RELEASE: LazyLock<String> = LazyLock::new(|| release_script(""));
 /// `ARGV[2]`.
 static RELEASE_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(PUBLISH));
 /// [`COMPLETE_ANNOUNCED`] in a cluster: on the key's shard channel.
-static COMPLETE_SHARD_ANNOUNCED: LazyLock<Lua> =
-    LazyLock::new(|| Lua::new(complete_script(SPUBLISH)));
+static COMPLETE_SHARD_ANNOUNCED: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(complete_script(&announce_completion(
+        "SPUBLISH",
+        "SHARDNUMSUB",
+    )))
+});
 /// [`RELEASE_ANNOUNCED`] in a cluster: on the key's shard channel.
 static RELEASE_SHARD_ANNOUNCED: LazyLock<String> = LazyLock::new(|| release_script(SPUBLISH));
 /// Tells the subscribers of the key's channel (the last argument, [`channel::of`] the key)
@@ -123,6 +131,38 @@ const PUBLISH: &str = "redis.call('PUBLISH', ARGV[#ARGV], ARGV[1])";
 /// writes the outcome: its waiters cannot subscribe to one either, and read their keys
 /// again.
 const SPUBLISH: &str = "redis.pcall('SPUBLISH', ARGV[#ARGV], ARGV[1])";
+
+/// The largest completed value a signed completion's message carries: the waiters of
+/// another instance take it from there rather than each instance reading the key once. A
+/// larger one is left to that read: a message goes whole into every subscriber's output
+/// buffer, which Redis bounds (`client-output-buffer-limit pubsub`).
+const ANNOUNCED_VALUE_MAX: usize = 64 * 1024;
+/// The largest completed value a signed message carries whether anybody listens or not:
+/// copying it into the message costs Redis about what asking for the key's subscribers
+/// does.
+const ANNOUNCED_ALWAYS_MAX: usize = 1024;
+
+/// Tells the subscribers of the key's channel (`PUBLISH`, counted by `NUMSUB`) or shard
+/// channel (`SPUBLISH`, `SHARDNUMSUB`) that the claim `ARGV[1]` ended. Signed (five
+/// arguments), the message also carries the stored value `ARGV[2]` and its signature
+/// `ARGV[4]` when the value is small, or not too large ([`ANNOUNCED_VALUE_MAX`]) and
+/// somebody on this node listens: copied into every completion's message, a large value
+/// would cost Redis about as much again as storing it. Called like [`SPUBLISH`], for a
+/// server without shard channels.
+fn announce_completion(publish: &str, numsub: &str) -> String {
+    format!(
+        "local announced = ARGV[1]
+if #ARGV == 5 then
+    local size = #ARGV[2]
+    if size > {ANNOUNCED_ALWAYS_MAX} and size <= {ANNOUNCED_VALUE_MAX} then
+        local subscribers = redis.pcall('PUBSUB', '{numsub}', ARGV[5])
+        if (tonumber(subscribers[2]) or 0) > 0 then size = 0 end
+    end
+    if size <= {ANNOUNCED_ALWAYS_MAX} then announced = ARGV[1] .. ARGV[2] .. ARGV[4] end
+end
+redis.pcall('{publish}', ARGV[#ARGV], announced)"
+    )
+}
 
 fn complete_script(announce: &str) -> String {
     format!(
@@ -223,6 +263,9 @@ pub struct RedisStore {
     subscriber: Option<Arc<Subscriber>>,
     /// Whether completions and releases are published ([`RedisStore::announce_outcomes`]).
     announce: bool,
+    /// Signs the records completions' messages carry
+    /// ([`RedisStore::announce_signed_records`]).
+    signer: Option<Arc<Signer>>,
 }
 
 /// Where the commands go, batched into pipelines.
@@ -385,6 +428,7 @@ impl RedisStore {
             acks: None,
             subscriber: None,
             announce: false,
+            signer: None,
         }
     }
 
@@ -464,6 +508,45 @@ impl RedisStore {
     pub fn announce_outcomes(mut self) -> Self {
         self.announce = true;
         self
+    }
+
+    /// [`announce_outcomes`](Self::announce_outcomes), and each completion's message also
+    /// carries its record, signed with HMAC-SHA-256 under `secret`: the waiters of every
+    /// instance that has the same secret check the signature and answer with the record,
+    /// and none reads the key. Give every instance that shares the keys the same secret
+    /// (at least 32 random bytes, kept like any other secret); an instance without it, or
+    /// with another, reads the key as after an unsigned message.
+    ///
+    /// A record is carried when it takes at most 1 KiB, or at most 64 KiB and somebody
+    /// on the key's node listens; a larger one is read once per instance. The signature
+    /// covers the key's channel, the claim that ended, the record with its expiry and the
+    /// time of signing: a message moved to another key, made up, or changed does not
+    /// verify, and one published again more than a minute after its signing (by the
+    /// instances' clocks) is not taken. Within that minute, a captured message could
+    /// reach only waiters of the same key, and only of a claim made after the record's key
+    /// was deleted early. Anything that does not verify only wakes the waiters to read.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, RedisStore};
+    /// # async fn run() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// # let secret_from_vault = [7u8; 32];
+    /// let store = RedisStore::open("redis://127.0.0.1/")
+    ///     .await?
+    ///     .announce_signed_records(secret_from_vault);
+    /// let layer = IdempotencyLayer::new(store).wait_for_original(Duration::from_secs(5));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn announce_signed_records(mut self, secret: impl AsRef<[u8]>) -> Self {
+        let signer = Arc::new(Signer::new(secret.as_ref()));
+        if let Some(subscriber) = &self.subscriber {
+            subscriber.verify_with(Arc::clone(&signer));
+        }
+        self.signer = Some(signer);
+        self.announce_outcomes()
     }
 
     /// The prefix of every key.
@@ -808,12 +891,21 @@ impl Store for RedisStore {
         let ending = channel
             .as_deref()
             .and_then(|channel| self.ending(channel, token));
-        let completed = match &channel {
-            Some(channel) => {
+        let signer = self
+            .signer
+            .as_ref()
+            .filter(|_| value.len() <= ANNOUNCED_VALUE_MAX);
+        let completed = match (&channel, signer) {
+            (Some(channel), Some(signer)) => {
+                let signature = signer.sign(channel, token, &value);
+                let args: [&[u8]; 4] = [&value, ttl.as_bytes(), &signature, channel.as_bytes()];
+                self.eval_fenced(script, &key, token, &args, true).await?
+            }
+            (Some(channel), None) => {
                 let args: [&[u8]; 3] = [&value, ttl.as_bytes(), channel.as_bytes()];
                 self.eval_fenced(script, &key, token, &args, true).await?
             }
-            None => {
+            (None, _) => {
                 let args: [&[u8]; 2] = [&value, ttl.as_bytes()];
                 self.eval_fenced(script, &key, token, &args, true).await?
             }
@@ -902,6 +994,27 @@ fn split_value(mut value: Vec<u8>) -> Result<(Bytes, Option<u64>)> {
 /// What is left until `deadline` (Unix milliseconds).
 fn remaining(deadline: u64) -> Duration {
     Duration::from_millis(deadline.saturating_sub(unix_millis()))
+}
+
+/// The completed record a verified message carries (its value as stored), with its time
+/// left; `None` for anything else, or a record already expired.
+fn announced_record(value: &[u8]) -> Option<Claim> {
+    let (record, deadline) = split_value(value.to_vec()).ok()?;
+    let expires_in = remaining(deadline?);
+    if expires_in.is_zero() {
+        return None;
+    }
+    match Record::decode(record).ok()? {
+        Record::Completed {
+            fingerprint,
+            response,
+        } => Some(Claim::Completed {
+            fingerprint,
+            response,
+            expires_in: Some(expires_in),
+        }),
+        Record::InProgress { .. } => None,
+    }
 }
 
 fn unexpected(reply: &impl fmt::Debug) -> Error {

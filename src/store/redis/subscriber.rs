@@ -31,7 +31,7 @@ use redis::{
 };
 use tokio::sync::mpsc;
 
-use super::{nodelay, primary::Primary, CONNECTION_TIMEOUT};
+use super::{announced_record, nodelay, primary::Primary, signed::Signer, CONNECTION_TIMEOUT};
 use crate::{store::Announcements, ClaimToken};
 
 /// The longest a reconnection waits between attempts while keys are watched.
@@ -157,6 +157,9 @@ pub(super) struct Subscriber {
     /// a node lost is reported several times (each reconnection that fails), and one
     /// round answers them all.
     again_pending: AtomicBool,
+    /// Checks the records that signed messages carry; without it, a message only wakes
+    /// the waiters to read.
+    signer: Mutex<Option<Arc<Signer>>>,
 }
 
 #[derive(Default)]
@@ -184,7 +187,23 @@ impl Subscriber {
             timeout,
             state: Arc::default(),
             again_pending: AtomicBool::new(false),
+            signer: Mutex::new(None),
         }
+    }
+
+    /// Takes the records of messages that `signer`'s secret signed.
+    pub(super) fn verify_with(&self, signer: Arc<Signer>) {
+        *self.signer.lock().unwrap_or_else(PoisonError::into_inner) = Some(signer);
+    }
+
+    /// Relays what was published on `channel`.
+    fn heard(&self, channel: &str, payload: &[u8]) {
+        let signer = self
+            .signer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        heard(&self.announcements, signer.as_deref(), channel, payload);
     }
 
     /// The board the store's waiters watch, and its own writes announce on.
@@ -265,14 +284,12 @@ impl Subscriber {
         }
         state.sink = Some(sink.clone());
         let subscriber = Arc::downgrade(self);
-        let announcements = self.announcements.clone();
         tokio::spawn(async move {
             while let Some(message) = messages.next().await {
-                heard(
-                    &announcements,
-                    message.get_channel_name(),
-                    message.get_payload_bytes(),
-                );
+                let Some(subscriber) = subscriber.upgrade() else {
+                    return;
+                };
+                subscriber.heard(message.get_channel_name(), message.get_payload_bytes());
             }
             // The connection is gone: what was published meanwhile is lost. Reconnect
             // while anybody waits, then wake every waiter to read its key again.
@@ -428,7 +445,6 @@ async fn relay_shard_pushes(
         let Some(subscriber) = subscriber.upgrade() else {
             return;
         };
-        let announcements = subscriber.announcements();
         let channel = push.data.first().and_then(channel_name);
         match (push.kind, channel) {
             (PushKind::SMessage, Some(channel)) => {
@@ -436,7 +452,7 @@ async fn relay_shard_pushes(
                     Some(Value::BulkString(payload)) => payload.as_slice(),
                     _ => &[],
                 };
-                heard(announcements, &channel, payload);
+                subscriber.heard(&channel, payload);
             }
             // Not asked for: the cluster connection subscribed again after losing a node,
             // or the server dropped the subscription (its slot left the node). Either way
@@ -469,11 +485,22 @@ async fn relay_shard_pushes(
 }
 
 /// Announces what was published on `channel` (a key's channel): the end of the claim whose
-/// token it is, which wakes the key's waiters to read it. Anything else was not published
-/// by a store (who published cannot be told) and wakes nobody.
-fn heard(announcements: &Announcements, channel: &str, payload: &[u8]) {
-    if let Ok(token) = <[u8; 16]>::try_from(payload) {
-        announcements.announce_end(channel, ClaimToken::from_bytes(token));
+/// token begins the payload, which wakes the key's waiters to read it, or, when `signer`
+/// verifies the signed value that follows the token, hands them its record. Who published
+/// cannot be told: a payload shorter than a token wakes nobody, and one whose value does
+/// not verify is only the end of a claim.
+fn heard(announcements: &Announcements, signer: Option<&Signer>, channel: &str, payload: &[u8]) {
+    let Some((token, signed)) = payload.split_first_chunk::<16>() else {
+        return;
+    };
+    let token = ClaimToken::from_bytes(*token);
+    match signer {
+        Some(signer) if !signed.is_empty() => {
+            announcements.announce_end_with(channel, token, || {
+                announced_record(signer.open(channel, token, signed)?)
+            })
+        }
+        _ => announcements.announce_end(channel, token),
     }
 }
 
@@ -517,5 +544,90 @@ fn unheld(subscription: &Weak<Subscription>) -> bool {
 impl fmt::Debug for Subscriber {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Subscriber").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use bytes::BufMut;
+
+    use super::*;
+    use crate::{
+        record::put_completed,
+        store::{redis::WITH_EXPIRY, Claim},
+        Fingerprint, StoredResponse,
+    };
+
+    /// A completed value as Redis stores it, kept a minute more.
+    fn value() -> Vec<u8> {
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: bytes::Bytes::from_static(b"{\"id\":\"pay_1\"}"),
+            trailers: None,
+        };
+        let mut value = bytes::BytesMut::new();
+        value.put_u8(WITH_EXPIRY);
+        put_completed(&mut value, &Fingerprint::from_bytes([7; 32]), &response);
+        value.put_u64(super::super::deadline(Duration::from_secs(60)));
+        value.to_vec()
+    }
+
+    /// A message that signer `secret` made for `channel`: the token, the value, the
+    /// signature.
+    fn signed(secret: &[u8], channel: &str, token: ClaimToken) -> Vec<u8> {
+        let value = value();
+        let mut payload = token.as_bytes().to_vec();
+        payload.extend_from_slice(&value);
+        payload.extend_from_slice(&Signer::new(secret).sign(channel, token, &value));
+        payload
+    }
+
+    /// How many reads the waiter on `channel` makes after `payload` is heard there by a
+    /// subscriber with `signer`.
+    async fn reads_after(signer: Option<&Signer>, channel: &str, payload: &[u8]) -> usize {
+        let board = Announcements::new();
+        let mut watch = board.watch(channel);
+        heard(&board, signer, channel, payload);
+        let woken = tokio::time::timeout(Duration::from_secs(1), watch.announced()).await;
+        woken.expect("woken");
+        let reads = AtomicUsize::new(0);
+        let read = || async {
+            reads.fetch_add(1, Ordering::SeqCst);
+            Ok(Claim::Claimed(ClaimToken::unique()))
+        };
+        let fingerprint = Fingerprint::from_bytes([7; 32]);
+        let found = watch.read_shared(fingerprint, Duration::from_secs(1), read);
+        if let Claim::Completed { response, .. } = found.await.unwrap() {
+            assert_eq!(&response.body[..], b"{\"id\":\"pay_1\"}");
+        }
+        reads.load(Ordering::SeqCst)
+    }
+
+    #[tokio::test]
+    async fn a_record_is_handed_over_only_when_its_signature_checks() {
+        let (channel, token) = ("idempotency-ended:aa{0}", ClaimToken::unique());
+        let signer = Signer::new(b"secret");
+        let genuine = signed(b"secret", channel, token);
+        assert_eq!(reads_after(Some(&signer), channel, &genuine).await, 0);
+        // Without the secret, signed by another, or for another key's channel: read.
+        assert_eq!(reads_after(None, channel, &genuine).await, 1);
+        let other = signed(b"another", channel, token);
+        assert_eq!(reads_after(Some(&signer), channel, &other).await, 1);
+        let moved = signed(b"secret", "idempotency-ended:bb{0}", token);
+        assert_eq!(reads_after(Some(&signer), channel, &moved).await, 1);
+        let unsigned = [token.as_bytes().as_slice(), &value()].concat();
+        assert_eq!(reads_after(Some(&signer), channel, &unsigned).await, 1);
+    }
+
+    #[tokio::test]
+    async fn a_payload_shorter_than_a_token_wakes_nobody() {
+        let board = Announcements::new();
+        let mut watch = board.watch("c");
+        heard(&board, None, "c", &[1; 15]);
+        let woken = tokio::time::timeout(Duration::from_millis(50), watch.announced()).await;
+        assert!(woken.is_err());
     }
 }
