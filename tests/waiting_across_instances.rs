@@ -54,17 +54,19 @@ enum Nodes {
     Sentinel(Vec<String>),
 }
 
-/// Runs each listed `async fn case(instances: Instances)` on the instances that `$setup`
-/// opens, as `$setup::case`.
+/// Runs each listed `async fn case(instances: Instances)` on the instances that each
+/// `$setup` opens, as `$setup::case`.
 macro_rules! across_instances {
-    ($setup:ident: $($case:ident),* $(,)?) => {
+    ($setup:ident $(, $more:ident)*: $($case:ident),* $(,)?) => {
         mod $setup {
             $(#[tokio::test]
             async fn $case() {
                 super::$case(super::$setup().await).await
             })*
         }
+        across_instances!($($more),*: $($case),*);
     };
+    (: $($case:ident),* $(,)?) => {};
 }
 
 across_instances!(
@@ -80,7 +82,7 @@ across_instances!(
     a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
 );
 across_instances!(
-    redis: a_duplicate_on_another_instance_gets_the_replay,
+    redis, redis_cluster, redis_sentinel: a_duplicate_on_another_instance_gets_the_replay,
     the_duplicates_on_another_instance_read_the_key_once,
     a_large_record_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
@@ -92,41 +94,7 @@ across_instances!(
     a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
 );
 across_instances!(
-    redis_cluster: a_duplicate_on_another_instance_gets_the_replay,
-    the_duplicates_on_another_instance_read_the_key_once,
-    a_large_record_is_read_once_for_the_duplicates,
-    a_duplicate_on_another_instance_executes_when_the_original_is_released,
-    a_watch_is_woken_by_the_other_instance,
-    each_instance_hears_the_end_of_a_claim_once,
-    a_duplicate_on_another_instance_executes_when_the_holder_crashed,
-    past_its_bound_a_duplicate_on_another_instance_gets_the_conflict,
-    beyond_the_cap_duplicates_on_another_instance_get_the_conflict_at_once,
-    a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
-);
-across_instances!(
-    redis_sentinel: a_duplicate_on_another_instance_gets_the_replay,
-    the_duplicates_on_another_instance_read_the_key_once,
-    a_large_record_is_read_once_for_the_duplicates,
-    a_duplicate_on_another_instance_executes_when_the_original_is_released,
-    a_watch_is_woken_by_the_other_instance,
-    each_instance_hears_the_end_of_a_claim_once,
-    a_duplicate_on_another_instance_executes_when_the_holder_crashed,
-    past_its_bound_a_duplicate_on_another_instance_gets_the_conflict,
-    beyond_the_cap_duplicates_on_another_instance_get_the_conflict_at_once,
-    a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
-);
-
-across_instances!(
-    redis_signed: a_duplicate_on_another_instance_gets_the_replay,
-    the_duplicates_on_another_instance_are_handed_the_record,
-    a_larger_record_is_handed_to_the_duplicates_that_listen,
-    a_large_record_is_read_once_for_the_duplicates,
-    a_duplicate_on_another_instance_executes_when_the_original_is_released,
-    a_watch_is_woken_by_the_other_instance,
-    each_instance_hears_the_end_of_a_claim_once,
-);
-across_instances!(
-    redis_cluster_signed: a_duplicate_on_another_instance_gets_the_replay,
+    redis_signed, redis_cluster_signed: a_duplicate_on_another_instance_gets_the_replay,
     the_duplicates_on_another_instance_are_handed_the_record,
     a_larger_record_is_handed_to_the_duplicates_that_listen,
     a_large_record_is_read_once_for_the_duplicates,
