@@ -166,6 +166,26 @@ impl CredentialKey {
 /// anew each time (AWS SigV4, HTTP message signatures), a retry would get a new scope and
 /// execute again: have the authentication layer set the verified subject as a
 /// [`Principal`] (the JWT's `sub`, the signer's access key id) instead.
+///
+/// # Example
+///
+/// ```
+/// use tower_idempotency::Principal;
+///
+/// # struct Claims { sub: String }
+/// # struct Signature { access_key_id: String }
+/// # let mut request = http::Request::new(());
+/// # let (claims, signature) = (
+/// #     Claims { sub: "user_42".into() },
+/// #     Signature { access_key_id: "AKIDEXAMPLE".into() },
+/// # );
+/// // In the authentication layer, once a bearer JWT is verified: its subject stays the
+/// // same when the client refreshes the token between retries.
+/// request.extensions_mut().insert(Principal::new(claims.sub));
+/// // Once an AWS SigV4 signature is verified: the key that signed, not the signature,
+/// // which changes with every attempt.
+/// request.extensions_mut().insert(Principal::new(signature.access_key_id));
+/// ```
 #[derive(Clone, Default)]
 pub struct DefaultPrincipal {
     key: Option<CredentialKey>,
