@@ -60,8 +60,10 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) principal: BoxedPrincipal,
     /// Whether keyed requests that name no principal share one anonymous scope, rather
-    /// than being refused.
+    /// than being refused: chosen with `allow_anonymous`, or by `unscoped` until another
+    /// principal extractor replaces `Unscoped`.
     pub(crate) anonymous: bool,
+    pub(crate) unscoped: bool,
     /// Whether `Set-Cookie` is recorded and replayed with the rest of a response.
     pub(crate) replay_set_cookie: bool,
     pub(crate) endpoint: Endpoint,
@@ -105,6 +107,7 @@ impl Default for Config {
             fail_open: false,
             principal: BoxedPrincipal(Arc::new(DefaultPrincipal::new())),
             anonymous: false,
+            unscoped: false,
             replay_set_cookie: false,
             endpoint: Endpoint::MethodAndPath,
             fingerprint_headers: Vec::new(),
@@ -400,7 +403,9 @@ impl IdempotencyLayer {
     /// });
     /// ```
     pub fn principal(mut self, extractor: impl ExtractPrincipal) -> Self {
-        self.config().principal = BoxedPrincipal(Arc::new(extractor));
+        let config = self.config();
+        config.principal = BoxedPrincipal(Arc::new(extractor));
+        config.unscoped = false;
         self
     }
 
@@ -455,7 +460,9 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped();
     /// ```
     pub fn unscoped(self) -> Self {
-        self.principal(Unscoped).allow_anonymous()
+        let mut layer = self.principal(Unscoped);
+        layer.config().unscoped = true;
+        layer
     }
 
     /// Record and replay `Set-Cookie` with the rest of a response. By default it is left
@@ -546,9 +553,19 @@ impl IdempotencyLayer {
         doc = "`PostgresStore::announce_outcomes`);"
     )]
     /// the waiters one announcement wakes read the key once between them, or none reads it
-    /// on the original's instance, where they are handed the record it wrote (an
-    /// announcement from the store never carries one: whoever can publish or notify could
-    /// have sent it, so it only ever makes the waiters read). A store that announces nothing (one made from a bare
+    /// on the original's instance, where they are handed the record it wrote. An
+    /// announcement from the store carries no record (whoever can publish or notify could
+    /// have sent it, so it only makes the waiters read), unless Redis instances sign their
+    /// records with a shared secret
+    #[cfg_attr(
+        feature = "redis",
+        doc = "([`RedisStore::announce_signed_records`](crate::RedisStore::announce_signed_records))."
+    )]
+    #[cfg_attr(
+        not(feature = "redis"),
+        doc = "(`RedisStore::announce_signed_records`)."
+    )]
+    /// A store that announces nothing (one made from a bare
     /// connection or pool, or a store of one's own) is read again every 20 ms, doubling up
     /// to 200 ms.
     /// Every waiter also reads its key again when the holder's lease would run out.

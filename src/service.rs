@@ -102,7 +102,7 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let (parts, body) = request.into_parts();
         let principal = config.principal.0.extract(&parts);
-        if principal.is_none() && !config.anonymous {
+        if principal.is_none() && !config.anonymous && !config.unscoped {
             config.meters.answered(Outcome::PrincipalMissing);
             return ResponseFuture::answered(refuse_anonymous(config, &parts));
         }

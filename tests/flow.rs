@@ -720,6 +720,14 @@ async fn a_keyed_request_without_a_principal_is_refused_unless_the_route_opts_in
         assert!(send(&app, as_session(&key, "b")).await.replayed());
     }
     assert_eq!(handler.executions(), 4);
+    // Unscoped, then given a principal extractor after all: refused again.
+    let rescoped = IdempotencyLayer::from_shared(store.clone())
+        .unscoped()
+        .credential_secret(b"secret");
+    let rescoped = router(&handler, rescoped);
+    let answer = send(&rescoped, as_session("rescoped", "a")).await;
+    assert_eq!(answer.error(), "idempotency_principal_missing");
+    assert_eq!(handler.executions(), 4);
 }
 
 /// With a secret, the `Authorization` digest is an HMAC under it: two instances with the

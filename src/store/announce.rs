@@ -276,6 +276,18 @@ impl Slot {
         ends.last.replace(token) != Some(token)
     }
 
+    /// Whether the end of the claim `token`, whose write here failed or was abandoned
+    /// (it may or may not have applied), is news: it is no longer being written, and it is
+    /// not marked as written, so that a retry of the write that applies (with the same
+    /// token), or the store's report of it, still wakes the waiters.
+    fn unsettled(&self, token: ClaimToken) -> bool {
+        let mut ends = lock(&self.ends);
+        if ends.writing == Some(token) {
+            ends.writing = None;
+        }
+        ends.last != Some(token)
+    }
+
     /// Whether a change was announced since `seen` changes were; `seen` counts it now.
     fn changed_since(&self, seen: &mut u64) -> bool {
         let changes = self.changes.load(Ordering::Acquire);
@@ -438,13 +450,18 @@ impl Ending<'_> {
 
     /// The claim was released: the watches read the key, one for them all.
     pub fn released(self) {
-        drop(self);
+        let this = std::mem::ManuallyDrop::new(self);
+        this.announcements.end(this.key, this.token, Slot::written);
     }
 }
 
 impl Drop for Ending<'_> {
+    /// The write failed or its caller went away: whether it applied is unknown, so the
+    /// waiters read the key, and the end is not taken as written (a retry that applies is
+    /// announced again).
     fn drop(&mut self) {
-        self.announcements.end(self.key, self.token, Slot::written);
+        self.announcements
+            .end(self.key, self.token, Slot::unsettled);
     }
 }
 
@@ -712,6 +729,28 @@ mod tests {
         drop(ending);
         all_find_it_completed(waiters).await;
         assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    /// A write that failed (its outcome unknown) wakes the waiters to read; its retry with
+    /// the same token that applies is still announced, with its record, and the store's
+    /// report of it after that is no change.
+    #[tokio::test]
+    async fn a_write_retried_after_a_failure_is_announced_again() {
+        let board = Announcements::new();
+        let mut watch = board.watch("k");
+        let token = ClaimToken::unique();
+        drop(board.ending("k", token));
+        let wait = Duration::from_millis(20);
+        assert!(tokio::time::timeout(wait, watch.changed()).await.is_ok());
+        let (reads, read) = counted_read(Duration::ZERO);
+        let waiters = waiters_reading(&board, 10, read).await;
+        // The retry: reported early by the store, then written here.
+        let ending = board.ending("k", token);
+        board.announce_end("k", token);
+        ending.completed(completed);
+        all_find_it_completed(waiters).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 0, "handed the record");
+        saw_the_end_once(&board, &mut watch, token).await;
     }
 
     #[tokio::test]

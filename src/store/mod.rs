@@ -316,8 +316,10 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// store whose report of its own write can come back before the write's reply marks
     /// the write first ([`Announcements::ending`]): the report, heard early, then wakes
     /// nobody, and the waiters are still handed the record. Hand waiters only records
-    /// this process wrote: a report from the backend (a message, a notification) may have
-    /// been sent by anyone allowed to send one, so it only ever wakes them to read.
+    /// this process wrote, or that the backend's report proves a store wrote (a signature
+    /// under the application's secret, checked: [`Announcements::announce_end_with`]): a
+    /// report may have been sent by anyone allowed to send one, so otherwise it only
+    /// wakes them to read.
     async fn watch(&self, _scope: &Scope) -> Result<Option<Watch>> {
         Ok(None)
     }

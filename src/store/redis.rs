@@ -482,6 +482,10 @@ impl RedisStore {
     /// key, so a client allowed to list channels (`PUBSUB CHANNELS`) learns no principal
     /// and no idempotency key from it.
     ///
+    /// Every instance that shares the keys must name channels alike, as this version does:
+    /// the waiters of an instance that subscribes elsewhere (an earlier build) hear nothing,
+    /// and fall back on the holder's lease or their bound.
+    ///
     /// In a cluster ([`cluster`](Self::cluster), [`from_cluster_client`](Self::from_cluster_client))
     /// the channel is the key's shard channel (`SPUBLISH`, `SSUBSCRIBE`, Redis 7.0 and
     /// later), which only the master serving the key's slot and its replicas carry, where
@@ -525,6 +529,12 @@ impl RedisStore {
     /// instances' clocks) is not taken. Within that minute, a captured message could
     /// reach only waiters of the same key, and only of a claim made after the record's key
     /// was deleted early. Anything that does not verify only wakes the waiters to read.
+    ///
+    /// The value is signed before the fenced write decides whether it applies: a holder
+    /// whose lease was lost sends a signed value that Redis then neither stores nor
+    /// publishes. Only a client that can see other clients' commands (`MONITOR`, or the
+    /// traffic where it runs without TLS) could take it from there, and such a client
+    /// can write the keys anyway: the store trusts its writers.
     ///
     /// # Example
     ///

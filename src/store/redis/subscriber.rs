@@ -31,7 +31,12 @@ use redis::{
 };
 use tokio::sync::mpsc;
 
-use super::{announced_record, nodelay, primary::Primary, signed::Signer, CONNECTION_TIMEOUT};
+use super::{
+    announced_record, nodelay,
+    primary::Primary,
+    signed::{Signer, SIGNATURE_LEN},
+    ANNOUNCED_VALUE_MAX, CONNECTION_TIMEOUT,
+};
 use crate::{store::Announcements, ClaimToken};
 
 /// The longest a reconnection waits between attempts while keys are watched.
@@ -489,18 +494,23 @@ async fn relay_shard_pushes(
 /// verifies the signed value that follows the token, hands them its record. Who published
 /// cannot be told: a payload shorter than a token wakes nobody, and one whose value does
 /// not verify is only the end of a claim.
+///
+/// A signature is checked only for a key watched here, only for a value no larger than a
+/// store sends, and outside the board's lock: whoever can publish could otherwise make
+/// every announcement in the process wait on checks of large made-up payloads.
 fn heard(announcements: &Announcements, signer: Option<&Signer>, channel: &str, payload: &[u8]) {
     let Some((token, signed)) = payload.split_first_chunk::<16>() else {
         return;
     };
     let token = ClaimToken::from_bytes(*token);
-    match signer {
-        Some(signer) if !signed.is_empty() => {
-            announcements.announce_end_with(channel, token, || {
-                announced_record(signer.open(channel, token, signed)?)
-            })
-        }
-        _ => announcements.announce_end(channel, token),
+    let checked = signer.filter(|_| {
+        !signed.is_empty()
+            && signed.len() <= ANNOUNCED_VALUE_MAX + SIGNATURE_LEN
+            && announcements.is_watched(channel)
+    });
+    match checked.and_then(|signer| announced_record(signer.open(channel, token, signed)?)) {
+        Some(record) => announcements.announce_end_with(channel, token, || Some(record)),
+        None => announcements.announce_end(channel, token),
     }
 }
 
@@ -620,6 +630,15 @@ mod tests {
         assert_eq!(reads_after(Some(&signer), channel, &moved).await, 1);
         let unsigned = [token.as_bytes().as_slice(), &value()].concat();
         assert_eq!(reads_after(Some(&signer), channel, &unsigned).await, 1);
+    }
+
+    #[tokio::test]
+    async fn a_payload_larger_than_a_store_sends_is_not_checked_and_only_wakes() {
+        let (channel, token) = ("idempotency-ended:aa{0}", ClaimToken::unique());
+        let signer = Signer::new(b"secret");
+        let mut huge = token.as_bytes().to_vec();
+        huge.resize(16 + ANNOUNCED_VALUE_MAX + SIGNATURE_LEN + 1, b'x');
+        assert_eq!(reads_after(Some(&signer), channel, &huge).await, 1);
     }
 
     #[tokio::test]
