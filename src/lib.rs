@@ -58,7 +58,6 @@ mod key;
 mod layer;
 mod principal;
 mod problem;
-mod record;
 mod rejection;
 mod replay;
 mod request_body;
@@ -89,12 +88,12 @@ pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use principal::{DefaultPrincipal, ExtractPrincipal, Principal, Unscoped};
 pub use problem::{ProblemDetails, PROBLEM_JSON};
-pub use record::{ClaimToken, DecodeError, Record, StoredResponse};
 pub use rejection::{Rejection, RejectionKind, RenderRejection};
 pub use replay::REPLAYED_HEADER;
 pub use request_body::{HandOnBody, RequestBody};
 pub use scope::Scope;
 pub use service::Idempotency;
+pub use store::record::{ClaimToken, DecodeError, Record, StoredResponse};
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use store::MemoryStore;

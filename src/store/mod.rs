@@ -12,6 +12,9 @@ mod cached;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
+/// The record's byte layout, the one every store writes: its encoding, and the offsets
+/// the Redis scripts compare in place.
+pub(crate) mod record;
 #[cfg(feature = "redis")]
 mod redis;
 mod shards;
@@ -46,7 +49,7 @@ pub enum Error {
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
     /// A stored record could not be decoded.
     #[error(transparent)]
-    Decode(#[from] crate::record::DecodeError),
+    Decode(#[from] record::DecodeError),
 }
 
 /// What a store operation returns.

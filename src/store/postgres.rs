@@ -17,11 +17,11 @@ use tokio_postgres::{types::ToSql, NoTls, Row};
 use self::listener::Listener;
 use self::resource_id::Extractor;
 pub use self::resource_id::{ExtractResourceId, ResourceId, MAX_RESOURCE_ID_LEN};
-use super::{Claim, Error, Fenced, Result, Store, Watch};
-use crate::{
+use super::{
     record::{put_headers, recorded_trailers, take_headers},
-    ClaimToken, Fingerprint, Scope, StoredResponse,
+    Claim, Error, Fenced, Result, Store, Watch,
 };
+use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 
 /// How long a request waits for a pooled connection (or a new one) before the layer
 /// answers `503` (fail closed).
@@ -282,6 +282,12 @@ impl PostgresStore {
     /// instance that shares the table. PostgreSQL serializes the commits of transactions
     /// that notify, so it is off by default: a store without it hands out no watch, and its
     /// waiters read their key again every 20 ms, doubling up to 200 ms.
+    ///
+    /// A notification names only the key's digest and the claim that ended
+    /// ([`notification_channel`](Self::notification_channel)); a listener ignores any other
+    /// payload, such as one that carries a record (as an earlier build's did): while
+    /// instances of both run, such completions wake nobody here, and the waiters fall back
+    /// on the holder's lease or their bound. Nothing runs twice.
     ///
     /// # Example
     ///

@@ -35,11 +35,9 @@ use self::{
     signed::Signer,
     subscriber::{Source, Subscriber},
 };
+use super::record::{self, completed_len, put_completed, IN_PROGRESS_LEN, TOKEN_OFFSET};
 use super::{Announcements, Claim, Ending, Error, Fenced, Result, Store, Watch};
-use crate::{
-    record::{self, completed_len, put_completed},
-    ClaimToken, Fingerprint, Record, Scope, StoredResponse,
-};
+use crate::{ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 
 // The value of a key says until when it is live, so that a claim which finds it can say how
 // long to wait, or how long a copy may be cached, without asking Redis for the key's TTL:
@@ -50,7 +48,6 @@ use crate::{
 //   record alone, replayed with no known expiry; a reader older than the marker refuses the
 //   new form (an unknown record version) rather than misreading it.
 const DEADLINE_LEN: usize = 8;
-const IN_PROGRESS_LEN: usize = 50;
 const HELD_LEN: usize = IN_PROGRESS_LEN + DEADLINE_LEN;
 const WITH_EXPIRY: u8 = 2;
 
@@ -72,11 +69,6 @@ static HELD: LazyLock<String> = LazyLock::new(|| {
 /// Returns 0 unless the key is held by token `ARGV[1]`.
 static FENCE: LazyLock<String> =
     LazyLock::new(|| format!("{} if not held then return 0 end", *HELD));
-/// Where the claim token starts in an in-progress value: after the version, the kind and
-/// the fingerprint.
-const TOKEN_OFFSET: usize = 2 + 32;
-// The token (16 bytes) ends the record.
-const _: () = assert!(TOKEN_OFFSET + 16 == IN_PROGRESS_LEN);
 const READ: &str = "local current = redis.call('GET', KEYS[1])";
 
 /// The claim by script, with the same reply as `SET … NX GET` (the existing value or nil):

@@ -565,8 +565,7 @@ mod tests {
 
     use super::*;
     use crate::{
-        record::put_completed,
-        store::{redis::WITH_EXPIRY, Claim},
+        store::{record::put_completed, redis::WITH_EXPIRY, Claim},
         Fingerprint, StoredResponse,
     };
 

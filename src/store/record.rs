@@ -116,6 +116,11 @@ pub struct DecodeError(&'static str);
 /// it and keeps reading this one.
 pub(crate) const VERSION_1: u8 = 1;
 pub(crate) const IN_PROGRESS: u8 = b'P';
+/// Where the claim token starts in an in-progress record: after the version, the kind and
+/// the fingerprint. The Redis scripts compare it there, in place.
+pub(crate) const TOKEN_OFFSET: usize = 2 + 32;
+/// The length of an in-progress record: the token ends it.
+pub(crate) const IN_PROGRESS_LEN: usize = TOKEN_OFFSET + 16;
 const COMPLETED: u8 = b'C';
 /// A completed record whose response had trailers: they follow the headers. Responses
 /// without trailers keep the `C` layout, so records written before trailers were recorded
@@ -139,7 +144,7 @@ impl Record {
     pub fn encode(&self) -> Bytes {
         match self {
             Self::InProgress { fingerprint, token } => {
-                let mut out = BytesMut::with_capacity(2 + 32 + 16);
+                let mut out = BytesMut::with_capacity(IN_PROGRESS_LEN);
                 out.put_u8(VERSION_1);
                 out.put_u8(IN_PROGRESS);
                 out.put_slice(fingerprint.as_bytes());
@@ -306,6 +311,16 @@ mod tests {
     use std::collections::HashSet;
 
     use super::*;
+
+    #[test]
+    fn an_in_progress_record_has_the_layout_the_redis_scripts_compare() {
+        let token = ClaimToken::unique();
+        let fingerprint = Fingerprint::from_bytes([7; 32]);
+        let encoded = Record::InProgress { fingerprint, token }.encode();
+        assert_eq!(encoded.len(), IN_PROGRESS_LEN);
+        assert_eq!(&encoded[..2], &[VERSION_1, IN_PROGRESS]);
+        assert_eq!(&encoded[TOKEN_OFFSET..], token.as_bytes());
+    }
 
     #[test]
     fn tokens_are_unique_within_and_across_threads() {
