@@ -981,16 +981,16 @@ async fn a_cached_record_expires_with_the_record_in_redis() {
     claimed(&cache, &scope, fingerprint(1), lease).await;
 }
 
-/// A completed value in the layout written before values carried their expiry (the record
-/// alone) still replays byte for byte, with no known expiry, so no cache keeps a copy.
+/// A value in no form this store writes (here a completed record without the marker and
+/// the expiry every completed value carries) is refused as a store error: the layer
+/// answers `503`, and nothing is replayed or cached from it.
 #[tokio::test]
-async fn a_completed_value_without_its_expiry_still_replays() {
+async fn a_value_of_no_known_form_is_refused_never_replayed() {
     let (redis, _prefix) = isolated_store("no_expiry").await;
-    let scope = scope(&new_key("older"));
-    let stored = binary_response();
+    let scope = scope(&new_key("unknown"));
     let record = Record::Completed {
         fingerprint: fingerprint(1),
-        response: stored.clone(),
+        response: binary_response(),
     };
     let mut connection = raw_connection(&support::redis_url()).await;
     let _: () = redis::cmd("SET")
@@ -1003,14 +1003,8 @@ async fn a_completed_value_without_its_expiry_still_replays() {
         .unwrap();
     let cache = CachedStore::new(redis.clone(), 100);
     let lease = Duration::from_secs(10);
-    assert_eq!(
-        cache.claim(&scope, fingerprint(1), lease).await.unwrap(),
-        Claim::Completed {
-            fingerprint: fingerprint(1),
-            response: stored,
-            expires_in: None,
-        }
-    );
+    let refused = cache.claim(&scope, fingerprint(1), lease).await;
+    assert!(refused.is_err(), "{refused:?}");
     let _: i64 = redis::cmd("DEL")
         .arg(redis.redis_key(&scope))
         .query_async(&mut connection)

@@ -44,9 +44,7 @@ use crate::{ClaimToken, Fingerprint, Record, Scope, StoredResponse};
 // - in progress: the encoded [`Record`], then its lease deadline (unix milliseconds, u64
 //   big-endian);
 // - completed: the byte `WITH_EXPIRY`, the encoded record, then its expiry (the same way).
-//   A completed value without that first byte (written before expiries were stored) is the
-//   record alone, replayed with no known expiry; a reader older than the marker refuses the
-//   new form (an unknown record version) rather than misreading it.
+// A value of any other form is refused (a store error), never replayed.
 const DEADLINE_LEN: usize = 8;
 const HELD_LEN: usize = IN_PROGRESS_LEN + DEADLINE_LEN;
 const WITH_EXPIRY: u8 = 2;
@@ -834,36 +832,27 @@ impl Store for RedisStore {
             return Ok(Claim::Claimed(token));
         };
         let (record, deadline) = split_value(current)?;
-        match (Record::decode(record)?, deadline) {
+        match Record::decode(record)? {
             // This very claim, sent twice (a retry after a lost reply, a cluster redirect):
             // the second finds what the first wrote. The key is ours.
-            (Record::InProgress { token: holder, .. }, Some(_)) if holder == token => {
+            Record::InProgress { token: holder, .. } if holder == token => {
                 Ok(Claim::Claimed(token))
             }
-            (
-                Record::InProgress {
-                    fingerprint,
-                    token: holder,
-                },
-                Some(deadline),
-            ) => Ok(Claim::InProgress {
+            Record::InProgress {
+                fingerprint,
+                token: holder,
+            } => Ok(Claim::InProgress {
                 fingerprint,
                 lease_remaining: remaining(deadline),
                 running_for: holder.age(),
             }),
-            (Record::InProgress { .. }, None) => {
-                Err(unexpected(&"an in-progress record without its deadline"))
-            }
-            (
-                Record::Completed {
-                    fingerprint,
-                    response,
-                },
-                deadline,
-            ) => Ok(Claim::Completed {
+            Record::Completed {
                 fingerprint,
                 response,
-                expires_in: deadline.map(remaining),
+            } => Ok(Claim::Completed {
+                fingerprint,
+                response,
+                expires_in: Some(remaining(deadline)),
             }),
         }
     }
@@ -974,12 +963,12 @@ impl Store for RedisStore {
     }
 }
 
-/// A key's value as its record and, where the value carries one, its deadline.
-fn split_value(mut value: Vec<u8>) -> Result<(Bytes, Option<u64>)> {
+/// A key's value as its record and its deadline.
+fn split_value(mut value: Vec<u8>) -> Result<(Bytes, u64)> {
     let with_expiry = value.first() == Some(&WITH_EXPIRY);
     let in_progress = value.len() == HELD_LEN && value.get(1) == Some(&record::IN_PROGRESS);
     if !with_expiry && !in_progress {
-        return Ok((Bytes::from(value), None));
+        return Err(unexpected(&"a value of no known form"));
     }
     let Some(at) = value.len().checked_sub(DEADLINE_LEN).filter(|&at| at > 1) else {
         return Err(unexpected(&"a value shorter than its deadline"));
@@ -990,7 +979,7 @@ fn split_value(mut value: Vec<u8>) -> Result<(Bytes, Option<u64>)> {
     if with_expiry {
         record.advance(1);
     }
-    Ok((record, Some(deadline)))
+    Ok((record, deadline))
 }
 
 /// What is left until `deadline` (Unix milliseconds).
@@ -1002,7 +991,7 @@ fn remaining(deadline: u64) -> Duration {
 /// left; `None` for anything else, or a record already expired.
 fn announced_record(value: &[u8]) -> Option<Claim> {
     let (record, deadline) = split_value(value.to_vec()).ok()?;
-    let expires_in = remaining(deadline?);
+    let expires_in = remaining(deadline);
     if expires_in.is_zero() {
         return None;
     }
