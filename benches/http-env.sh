@@ -2,6 +2,8 @@
 # shared harness's peers under $work, and starts a Redis of their own on $port so that
 # nothing else is flushed. Leaves $root, $harness, $work, $port, $peers_bin, $payments_bin,
 # $REDIS_URL and `ours`: our three configurations as harness entries (`name=command`).
+# With BASELINE=<git revision>, the example is also built from that revision and each
+# configuration gets a `base_` twin right after it, so an A/B runs interleaved in one session.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 harness=${HARNESS:-$root/../shared/bench}
 work=${BENCH_WORK:-$root/target/http-bench}
@@ -14,6 +16,13 @@ cargo build --release --example payments --manifest-path "$root/Cargo.toml"
 cp "$root/target/release/examples/payments" "$work/payments"
 CARGO_TARGET_DIR="$work/peers-target" cargo build --release --manifest-path "$harness/peers/Cargo.toml"
 payments_bin=$work/payments
+if [ -n "${BASELINE:-}" ]; then
+  rm -rf "$work/baseline-src" && mkdir -p "$work/baseline-src"
+  git -C "$root" archive "$BASELINE" | tar -x -C "$work/baseline-src"
+  CARGO_TARGET_DIR="$work/baseline-target" \
+    cargo build --release --example payments --manifest-path "$work/baseline-src/Cargo.toml"
+  cp "$work/baseline-target/release/examples/payments" "$work/payments-baseline"
+fi
 peers_bin=$work/peers-target/release
 
 if redis-cli -p "$port" ping >/dev/null 2>&1; then
@@ -31,3 +40,10 @@ ours=(
   "ours_redis_nocache=env PAYMENTS_STATS=payments RUST_LOG=warn IDEMPOTENCY_CACHE_RECORDS=0 REDIS_URL=$REDIS_URL $payments_bin"
   "ours_memory=env -u REDIS_URL -u DATABASE_URL PAYMENTS_STATS=payments RUST_LOG=warn $payments_bin"
 )
+if [ -n "${BASELINE:-}" ]; then
+  paired=()
+  for entry in "${ours[@]}"; do
+    paired+=("$entry" "base_${entry/$payments_bin/$work/payments-baseline}")
+  done
+  ours=("${paired[@]}")
+fi

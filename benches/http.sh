@@ -7,6 +7,7 @@
 #   benches/http.sh                 # 3 passes, then the median table
 #   PASSES=5 PEERS="bare naive_redis" benches/http.sh
 #   PASSES=9 PEERS=bare OURS=ours_memory benches/http.sh   # one goal, more passes
+#   BASELINE=v0.1.0 benches/http.sh  # each configuration also from that revision, interleaved
 #
 # Needs ../shared/bench (the harness), wrk, redis-server, redis-cli, taskset, curl.
 # Writes build outputs and results under $BENCH_WORK (default: target/http-bench).
@@ -19,7 +20,8 @@ source "$(dirname "$0")/http-env.sh"
 if [ -n "${OURS:-}" ]; then # keep only the configurations named in $OURS
   kept=()
   for entry in "${ours[@]}"; do
-    [[ " $OURS " == *" ${entry%%=*} "* ]] && kept+=("$entry")
+    name=${entry%%=*}
+    [[ " $OURS " == *" ${name#base_} "* ]] && kept+=("$entry")
   done
   ours=("${kept[@]}")
 fi
