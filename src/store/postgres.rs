@@ -18,7 +18,7 @@ use self::listener::Listener;
 use self::resource_id::Extractor;
 pub use self::resource_id::{ExtractResourceId, ResourceId, MAX_RESOURCE_ID_LEN};
 use super::{
-    record::{put_headers, recorded_trailers, take_headers},
+    record::{headers_and_trailers_len, put_headers_and_trailers, take_headers_and_trailers},
     Claim, Error, Fenced, Result, Store, Watch,
 };
 use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
@@ -908,15 +908,9 @@ fn decode_claim(row: &Row, counted: bool) -> Result<Claim> {
                 .ok()
                 .and_then(|c| StatusCode::from_u16(c).ok())
                 .ok_or(PostgresStoreError::UnexpectedRow("invalid status_code"))?;
-            // The headers, then the trailers where the response had some (rows written
-            // before trailers were recorded end after the headers).
+            // The headers, then the trailers.
             let mut headers = Bytes::from(row.try_get::<_, Vec<u8>>(4)?);
-            let decoded = take_headers(&mut headers)?;
-            let trailers = if headers.is_empty() {
-                None
-            } else {
-                Some(take_headers(&mut headers)?)
-            };
+            let (decoded, trailers) = take_headers_and_trailers(&mut headers)?;
             if !headers.is_empty() {
                 return Err(
                     PostgresStoreError::UnexpectedRow("trailing bytes after trailers").into(),
@@ -1000,11 +994,8 @@ impl Store for PostgresStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced> {
-        let mut headers = BytesMut::new();
-        put_headers(&mut headers, &response.headers);
-        if let Some(trailers) = recorded_trailers(response) {
-            put_headers(&mut headers, trailers);
-        }
+        let mut headers = BytesMut::with_capacity(headers_and_trailers_len(response));
+        put_headers_and_trailers(&mut headers, response);
         let status = response.status.as_u16() as i16;
         let key = self.announced_key(scope);
         let notification = key

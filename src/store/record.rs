@@ -86,7 +86,11 @@ pub struct StoredResponse {
     pub trailers: Option<HeaderMap>,
 }
 
-/// One key's record in a store.
+/// What a store keeps for one key, with its byte encoding ([`encode`](Self::encode)): a
+/// claim in progress, or a completed request and the [`StoredResponse`] that replays it.
+/// Stores that keep records as bytes use it; a store answers
+/// [`Store::claim`](crate::Store::claim) with a [`Claim`](crate::store::Claim), made from
+/// the record it found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 // The completed variant is the one replays read: boxing it would cost them an allocation.
 #[allow(clippy::large_enum_variant)]
@@ -122,10 +126,6 @@ pub(crate) const TOKEN_OFFSET: usize = 2 + 32;
 /// The length of an in-progress record: the token ends it.
 pub(crate) const IN_PROGRESS_LEN: usize = TOKEN_OFFSET + 16;
 const COMPLETED: u8 = b'C';
-/// A completed record whose response had trailers: they follow the headers. Responses
-/// without trailers keep the `C` layout, so records written before trailers were recorded
-/// read as they did.
-const COMPLETED_WITH_TRAILERS: u8 = b'T';
 
 impl Record {
     /// The fingerprint of the request that claimed the key.
@@ -138,9 +138,9 @@ impl Record {
     }
 
     /// Encodes the record: `version, kind, fingerprint`, then the token (in progress) or
-    /// `status u16, header count u32, (name len u32, name, value len u32, value)*, body`
-    /// (completed; with trailers, kind `T` and the trailers encoded as the headers are,
-    /// between the headers and the body). Integers are big-endian; the body runs to the end.
+    /// `status u16, headers, trailers, body` (completed), where headers and trailers are
+    /// each `count u32, (name len u32, name, value len u32, value)*` (no trailers: a count
+    /// of 0). Integers are big-endian; the body runs to the end.
     pub fn encode(&self) -> Bytes {
         match self {
             Self::InProgress { fingerprint, token } => {
@@ -173,15 +173,10 @@ impl Record {
                 }
                 Ok(Self::InProgress { fingerprint, token })
             }
-            COMPLETED | COMPLETED_WITH_TRAILERS => {
+            COMPLETED => {
                 let status = StatusCode::from_u16(u16::from_be_bytes(take_array(&mut bytes)?))
                     .map_err(|_| DecodeError("invalid status"))?;
-                let headers = take_headers(&mut bytes)?;
-                let trailers = if kind == COMPLETED_WITH_TRAILERS {
-                    Some(take_headers(&mut bytes)?)
-                } else {
-                    None
-                };
+                let (headers, trailers) = take_headers_and_trailers(&mut bytes)?;
                 let response = StoredResponse {
                     status,
                     headers,
@@ -207,20 +202,16 @@ pub(crate) fn encode_completed(fingerprint: &Fingerprint, response: &StoredRespo
 
 /// The length of the completed record of `response`.
 pub(crate) fn completed_len(response: &StoredResponse) -> usize {
-    let trailers_len = recorded_trailers(response).map_or(0, headers_len);
-    2 + 32 + 2 + headers_len(&response.headers) + trailers_len + response.body.len()
+    2 + 32 + 2 + headers_and_trailers_len(response) + response.body.len()
 }
 
-/// The trailers a record keeps: none when the response had none, or an empty set.
-pub(crate) fn recorded_trailers(response: &StoredResponse) -> Option<&HeaderMap> {
-    response
-        .trailers
-        .as_ref()
-        .filter(|trailers| !trailers.is_empty())
+/// The length of what [`put_headers_and_trailers`] writes for `response`.
+pub(crate) fn headers_and_trailers_len(response: &StoredResponse) -> usize {
+    headers_len(&response.headers) + response.trailers.as_ref().map_or(4, headers_len)
 }
 
 /// The length of what [`put_headers`] writes for `headers`.
-pub(crate) fn headers_len(headers: &HeaderMap) -> usize {
+fn headers_len(headers: &HeaderMap) -> usize {
     4 + headers
         .iter()
         .map(|(name, value)| 8 + name.as_str().len() + value.len())
@@ -234,25 +225,36 @@ pub(crate) fn put_completed(
     fingerprint: &Fingerprint,
     response: &StoredResponse,
 ) {
-    let trailers = recorded_trailers(response);
     out.put_u8(VERSION_1);
-    out.put_u8(if trailers.is_some() {
-        COMPLETED_WITH_TRAILERS
-    } else {
-        COMPLETED
-    });
+    out.put_u8(COMPLETED);
     out.put_slice(fingerprint.as_bytes());
     out.put_u16(response.status.as_u16());
-    put_headers(out, &response.headers);
-    if let Some(trailers) = trailers {
-        put_headers(out, trailers);
-    }
+    put_headers_and_trailers(out, response);
     out.put_slice(&response.body);
+}
+
+/// Writes the response's headers, then its trailers (a count of 0 when it had none), for
+/// a record or a store that keeps them in a column of their own.
+pub(crate) fn put_headers_and_trailers(out: &mut BytesMut, response: &StoredResponse) {
+    put_headers(out, &response.headers);
+    match &response.trailers {
+        Some(trailers) => put_headers(out, trailers),
+        None => out.put_u32(0),
+    }
+}
+
+/// Reads what [`put_headers_and_trailers`] wrote; no trailers, or none, read as `None`.
+pub(crate) fn take_headers_and_trailers(
+    bytes: &mut Bytes,
+) -> Result<(HeaderMap, Option<HeaderMap>), DecodeError> {
+    let headers = take_headers(bytes)?;
+    let trailers = take_headers(bytes)?;
+    Ok((headers, (!trailers.is_empty()).then_some(trailers)))
 }
 
 /// Writes `header count u32, (name len u32, name, value len u32, value)*`, keeping order
 /// and repeated headers.
-pub(crate) fn put_headers(out: &mut BytesMut, headers: &HeaderMap) {
+fn put_headers(out: &mut BytesMut, headers: &HeaderMap) {
     out.put_u32(headers.len() as u32);
     for (name, value) in headers {
         put_bytes(out, name.as_str().as_bytes());
@@ -261,7 +263,7 @@ pub(crate) fn put_headers(out: &mut BytesMut, headers: &HeaderMap) {
 }
 
 /// Reads what [`put_headers`] wrote.
-pub(crate) fn take_headers(bytes: &mut Bytes) -> Result<HeaderMap, DecodeError> {
+fn take_headers(bytes: &mut Bytes) -> Result<HeaderMap, DecodeError> {
     let count = u32::from_be_bytes(take_array(bytes)?) as usize;
     // Each header takes at least 8 bytes: a count larger than that is corrupt, and must
     // not size an allocation.
@@ -377,16 +379,27 @@ mod tests {
     }
 
     #[test]
-    fn records_without_trailers_keep_their_layout() {
-        // Written before trailers were recorded: kind `C`, headers, then the body.
+    fn a_completed_record_has_one_layout_with_or_without_trailers() {
         let record = completed(b"ok");
         let encoded = record.encode();
-        assert_eq!(encoded[1], COMPLETED);
-        assert_eq!(&encoded[encoded.len() - 2..], b"ok");
+        assert_eq!(&encoded[..2], &[VERSION_1, COMPLETED]);
+        assert_eq!(
+            &encoded[encoded.len() - 6..],
+            b"\0\0\0\0ok",
+            "no trailers: a count of 0"
+        );
         assert_eq!(encoded.len(), completed_len(&response_of(&record)));
         let with = completed_with(b"ok", grpc_trailers());
-        assert_eq!(with.encode()[1], COMPLETED_WITH_TRAILERS);
+        assert_eq!(&with.encode()[..2], &[VERSION_1, COMPLETED]);
         assert_eq!(with.encode().len(), completed_len(&response_of(&with)));
+        // Empty trailers are no trailers.
+        let empty = completed_with(b"ok", Some(HeaderMap::new()));
+        assert_eq!(empty.encode(), encoded);
+        assert_eq!(Record::decode(empty.encode()).unwrap(), record);
+        // The kind that once marked trailers is no kind at all.
+        let mut other_kind = encoded.to_vec();
+        other_kind[1] = b'T';
+        assert!(Record::decode(Bytes::from(other_kind)).is_err());
     }
 
     fn response_of(record: &Record) -> StoredResponse {
