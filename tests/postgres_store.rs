@@ -641,300 +641,6 @@ async fn a_cache_in_front_of_a_counting_store_lets_every_replay_be_counted() {
     assert_eq!(executed.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
-/// The table as the release before `resource_id` and replay accounting created it.
-const PREVIOUS_RELEASE_DDL: &str = "CREATE TABLE IF NOT EXISTS {table} (
-    idempotency_key  TEXT        NOT NULL,
-    endpoint         TEXT        NOT NULL,
-    principal        TEXT        NOT NULL,  -- '' is anonymous
-    request_hash     BYTEA       NOT NULL,  -- SHA-256 request fingerprint
-    status           TEXT        NOT NULL CHECK (status IN ('in_progress', 'completed')),
-    status_code      SMALLINT,
-    response_headers BYTEA,                 -- versioned binary encoding, order kept
-    response_body    BYTEA,
-    claim_token      BYTEA       NOT NULL,
-    locked_until     TIMESTAMPTZ,           -- the in-progress lease
-    created_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
-    completed_at     TIMESTAMPTZ,
-    expires_at       TIMESTAMPTZ NOT NULL,
-    CONSTRAINT {index}_scope UNIQUE (idempotency_key, endpoint, principal)
-);
-CREATE INDEX IF NOT EXISTS {index}_expires_at ON {table} (expires_at);
-";
-
-/// Headers as the store encodes them (unchanged by the migration): a count, then each
-/// name and value after its length.
-fn encoded_headers(headers: &[(&str, &str)]) -> Vec<u8> {
-    let mut out = (headers.len() as u32).to_be_bytes().to_vec();
-    for (name, value) in headers {
-        for part in [name, value] {
-            out.extend_from_slice(&(part.len() as u32).to_be_bytes());
-            out.extend_from_slice(part.as_bytes());
-        }
-    }
-    out
-}
-
-#[tokio::test]
-async fn migrate_upgrades_a_table_of_the_previous_release_in_place() {
-    support::postgres_store().await; // the test schema
-    let name = format!("old_{:016x}", rand::random::<u64>());
-    let table = format!("{}.{name}", support::TEST_SCHEMA);
-    let index = table.replace('.', "_");
-    let client = support::store_client(&support::database_url()).await;
-    let ddl = PREVIOUS_RELEASE_DDL
-        .replace("{table}", &table)
-        .replace("{index}", &index);
-    client.batch_execute(&ddl).await.unwrap();
-
-    // Rows the previous release wrote: a live completed one, an expired one, and a claim
-    // still held, whose holder completes it after the upgrade.
-    let held = tower_idempotency::ClaimToken::from_bytes([7; 16]);
-    let insert = format!(
-        "INSERT INTO {table} (idempotency_key, endpoint, principal, request_hash, status,
-             status_code, response_headers, response_body, claim_token, locked_until,
-             completed_at, expires_at)
-         VALUES ($1, 'POST /v1/payments', '', $2, $3, $4, $5, $6, $7, $8, $9, $10)"
-    );
-    let headers = encoded_headers(&[("location", "/v1/payments/pay_old")]);
-    let hour = std::time::SystemTime::now() + Duration::from_secs(3600);
-    let past = std::time::SystemTime::now() - Duration::from_secs(3600);
-    let no_time: Option<std::time::SystemTime> = None;
-    let (no_code, no_bytes): (Option<i16>, Option<&[u8]>) = (None, None);
-    let hash = FINGERPRINT.as_bytes().as_slice();
-    for params in [
-        [
-            &"old-live" as &(dyn tokio_postgres::types::ToSql + Sync),
-            &hash,
-            &"completed",
-            &Some(201i16),
-            &Some(headers.as_slice()),
-            &Some(&b"{\"id\":\"pay_old\"}"[..]),
-            &[1u8; 16].as_slice(),
-            &no_time,
-            &Some(past),
-            &hour,
-        ],
-        [
-            &"old-expired",
-            &hash,
-            &"completed",
-            &Some(201i16),
-            &Some(headers.as_slice()),
-            &Some(&b"{}"[..]),
-            &[2u8; 16].as_slice(),
-            &no_time,
-            &Some(past),
-            &past,
-        ],
-        [
-            &"old-held",
-            &hash,
-            &"in_progress",
-            &no_code,
-            &no_bytes,
-            &no_bytes,
-            &held.as_bytes().as_slice(),
-            &Some(hour),
-            &no_time,
-            &hour,
-        ],
-    ] {
-        client.execute(&insert, &params).await.unwrap();
-    }
-
-    let store = PostgresStore::connect(&support::database_url())
-        .await
-        .unwrap()
-        .table(support::TEST_SCHEMA, &name)
-        .unwrap()
-        .count_replays();
-    store.migrate().await.unwrap();
-    store.migrate().await.unwrap();
-
-    // The old rows gained the columns, empty; the index is there.
-    let sql = format!(
-        "SELECT idempotency_key, resource_id, replay_count, last_replayed_at IS NULL
-         FROM {table} ORDER BY idempotency_key"
-    );
-    let rows = client.query(&sql, &[]).await.unwrap();
-    let columns: Vec<(String, Option<String>, i64, bool)> = rows
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect();
-    let empty = |key: &str| (key.to_owned(), None, 0, true);
-    assert_eq!(
-        columns,
-        [empty("old-expired"), empty("old-held"), empty("old-live")]
-    );
-    let indexes = client
-        .query(
-            "SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = $2
-             ORDER BY indexname",
-            &[&support::TEST_SCHEMA, &name],
-        )
-        .await
-        .unwrap();
-    let indexes: Vec<String> = indexes.iter().map(|r| r.get(0)).collect();
-    assert_eq!(
-        indexes,
-        [
-            format!("{index}_expires_at"),
-            format!("{index}_resource_id"),
-            format!("{index}_scope"),
-        ]
-    );
-
-    // The old completed row replays, byte-exact, and its replay is counted.
-    let old = scope("old-live", None);
-    match store
-        .claim(&old, FINGERPRINT, Duration::from_secs(30))
-        .await
-        .unwrap()
-    {
-        Claim::Completed { response, .. } => {
-            assert_eq!(response.status, StatusCode::CREATED);
-            assert_eq!(response.headers["location"], "/v1/payments/pay_old");
-            assert_eq!(response.body, &b"{\"id\":\"pay_old\"}"[..]);
-        }
-        other => panic!("expected the old record, got {other:?}"),
-    }
-    assert_eq!(audit(&store, "old-live").await, (None, 1, true));
-    // The expired one is free again; the claim held across the upgrade completes.
-    assert!(claims(&store, &scope("old-expired", None), Duration::from_secs(30)).await);
-    let old_held = scope("old-held", None);
-    let response = created("pay_held");
-    let ttl = Duration::from_secs(3600);
-    let completed = store.complete(&old_held, held, FINGERPRINT, &response, ttl);
-    assert_eq!(completed.await.unwrap(), Fenced::Applied);
-    assert_eq!(
-        audit(&store, "old-held").await,
-        (Some("pay_held".to_owned()), 0, false)
-    );
-    client
-        .batch_execute(&format!("DROP TABLE {table}"))
-        .await
-        .unwrap();
-}
-
-/// Waits, up to 20 s, until `done` holds.
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !done() {
-        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-#[tokio::test]
-async fn duplicates_woken_together_are_each_counted() {
-    let store = support::postgres_store()
-        .await
-        .announce_outcomes()
-        .count_replays();
-    let layer = IdempotencyLayer::new(store.clone())
-        .allow_anonymous()
-        .wait_for_original(Duration::from_secs(20));
-    let (entered, gate) = (
-        Arc::new(std::sync::atomic::AtomicU64::new(0)),
-        Arc::new(tokio::sync::Semaphore::new(0)),
-    );
-    let handler = {
-        let (entered, gate) = (entered.clone(), gate.clone());
-        move || async move {
-            entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            gate.acquire().await.unwrap().forget();
-            (
-                StatusCode::CREATED,
-                [(http::header::LOCATION, "/v1/payments/pay_w")],
-            )
-        }
-    };
-    let app = Router::new()
-        .route("/v1/payments", post(handler))
-        .layer(layer.clone());
-
-    let original = tokio::spawn({
-        let app = app.clone();
-        async move { pay(&app, "waited", "{}").await }
-    });
-    until("the original runs", || {
-        entered.load(std::sync::atomic::Ordering::SeqCst) == 1
-    })
-    .await;
-    let duplicates: Vec<_> = (0..3)
-        .map(|_| {
-            let app = app.clone();
-            tokio::spawn(async move { pay(&app, "waited", "{}").await })
-        })
-        .collect();
-    until("three duplicates wait", || layer.waiting() == 3).await;
-    gate.add_permits(1);
-
-    let original = original.await.unwrap();
-    assert_eq!(original.status(), StatusCode::CREATED);
-    assert!(!original.headers().contains_key("idempotent-replayed"));
-    for duplicate in duplicates {
-        let duplicate = duplicate.await.unwrap();
-        assert_eq!(duplicate.status(), StatusCode::CREATED);
-        assert_eq!(duplicate.headers()["idempotent-replayed"], "true");
-    }
-    assert_eq!(entered.load(std::sync::atomic::Ordering::SeqCst), 1);
-    assert_eq!(
-        audit(&store, "waited").await,
-        (Some("pay_w".to_owned()), 3, true)
-    );
-}
-
-/// The payments example on PostgreSQL: each row names the payment its request created, and
-/// counts the retries it absorbed, behind the example's local cache.
-#[cfg(feature = "memory")]
-#[tokio::test]
-async fn payments_example_records_each_payment_id() {
-    use support::payments::{charge, fresh_key, ExampleProcess};
-
-    support::postgres_store().await; // the test schema
-    let table = unique_table("payments_example");
-    let url = support::database_url();
-    let example = ExampleProcess::start(&[
-        ("DATABASE_URL", url.as_str()),
-        ("IDEMPOTENCY_TABLE", table.as_str()),
-        ("IDEMPOTENCY_COUNT_REPLAYS", "1"),
-    ])
-    .await;
-    let key = fresh_key();
-    let first = example.api().pay(&key, "alice", &charge(1500)).await;
-    let id = first.assert_payment(1500, "usd");
-    for _ in 0..2 {
-        let retry = example.api().pay(&key, "alice", &charge(1500)).await;
-        retry.assert_replay_of(&first);
-    }
-    let other = example.api().pay(&fresh_key(), "bob", &charge(700)).await;
-    let other_id = other.assert_payment(700, "usd");
-
-    let client = support::store_client(&url).await;
-    let sql = format!(
-        "SELECT idempotency_key, principal, resource_id, replay_count FROM {table}
-         ORDER BY replay_count DESC"
-    );
-    let rows = client.query(&sql, &[]).await.unwrap();
-    let rows: Vec<(String, String, Option<String>, i64)> = rows
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect();
-    drop(example);
-    client
-        .batch_execute(&format!("DROP TABLE {table}"))
-        .await
-        .unwrap();
-    assert_eq!(rows.len(), 2, "{rows:?}");
-    assert_eq!((&rows[0].0, &rows[0].2, rows[0].3), (&key, &Some(id), 2));
-    assert_eq!((&rows[1].2, rows[1].3), (&Some(other_id), 0));
-    assert_ne!(
-        rows[0].1, rows[1].1,
-        "alice and bob are principals of their own"
-    );
-}
-
 /// Drops `table` (a qualified name).
 async fn drop_table(table: &str) {
     let client = support::store_client(&support::database_url()).await;
@@ -982,30 +688,42 @@ async fn migrate_on_an_up_to_date_table_waits_for_no_open_reader() {
 }
 
 #[tokio::test]
-async fn a_migration_blocked_by_an_open_reader_gives_up_and_changes_nothing() {
+async fn a_migration_blocked_by_an_open_writer_gives_up_and_changes_nothing() {
     support::postgres_store().await; // the test schema
     let table = unique_table("blocked");
     let (schema, name) = table.split_once('.').unwrap();
-    let ddl = PREVIOUS_RELEASE_DDL
-        .replace("{table}", &table)
-        .replace("{index}", &table.replace('.', "_"));
-    let client = support::store_client(&support::database_url()).await;
-    client.batch_execute(&ddl).await.unwrap();
-    let reader = reading(&table).await;
-
     let store = PostgresStore::connect(&support::database_url())
         .await
         .unwrap()
         .table(schema, name)
         .unwrap();
+    store.migrate().await.unwrap();
+    // A table missing one index (someone dropped it), and a transaction writing to it:
+    // building the index must wait for that writer.
+    let client = support::store_client(&support::database_url()).await;
+    let resource_index = format!("{}_resource_id", table.replace('.', "_"));
+    let drop_index = format!("DROP INDEX {schema}.{resource_index}");
+    client.batch_execute(&drop_index).await.unwrap();
+    let writer = support::store_client(&support::database_url()).await;
+    let lock = format!("BEGIN; LOCK TABLE {table} IN ROW EXCLUSIVE MODE");
+    writer.batch_execute(&lock).await.unwrap();
+    let index_exists = || async {
+        let sql = "SELECT to_regclass($1) IS NOT NULL";
+        let qualified = format!("{schema}.{resource_index}");
+        let row = client.query_one(sql, &[&qualified]).await.unwrap();
+        row.get::<_, bool>(0)
+    };
+
     let migrated = tokio::time::timeout(Duration::from_secs(20), store.migrate()).await;
     let error = migrated.expect("migrate gives up by its lock timeout");
     assert!(
         matches!(error, Err(PostgresStoreError::MigrationBlocked { .. })),
         "{error:?}"
     );
-    reader.batch_execute("ROLLBACK").await.unwrap();
+    assert!(!index_exists().await, "a blocked migration changes nothing");
+    writer.batch_execute("ROLLBACK").await.unwrap();
     store.migrate().await.unwrap();
+    assert!(index_exists().await);
     drop_table(&table).await;
 }
 

@@ -377,46 +377,25 @@ impl PostgresStore {
         self
     }
 
-    /// The SQL that creates the table and its indexes, for this store's table name, and
-    /// adds to a table made by an earlier release the columns and index it lacks.
+    /// The SQL that creates the table and its indexes, for this store's table name.
     pub fn migration_sql(&self) -> String {
         self.table.migration.sql()
     }
 
-    /// Creates the table and its indexes if they do not exist, and upgrades in place a
-    /// table made by an earlier release: the columns it lacks are added (`ADD COLUMN IF
-    /// NOT EXISTS`, with no table rewrite: `NULL`, or a constant default), the index on
-    /// `resource_id` built. Idempotent; it runs in one transaction.
+    /// Creates the table and its indexes if they do not exist. Idempotent; it runs in one
+    /// transaction.
     ///
     /// It looks in the catalog first and changes only what is missing: on a table that is
     /// up to date it takes no lock on the table at all, so instances can run it at every
     /// start while the table is in service. Migrations of one table run one at a time
     /// (a transaction-scoped advisory lock keyed by the table's qualified name), so
     /// instances starting together on a fresh database do not race to create it. A change
-    /// that is needed waits at most 5 s for its lock (`SET LOCAL lock_timeout`; `ALTER
-    /// TABLE` needs the table to itself, and would otherwise queue behind any open
-    /// transaction that read it, with every request's claim queued behind it in turn):
+    /// that is needed waits at most 5 s for its lock (`SET LOCAL lock_timeout`; `CREATE
+    /// INDEX` on a table in service waits for every open transaction that wrote it, and
+    /// every request's claim would queue behind it in turn):
     /// past that, `migrate` changes nothing and fails with
     /// [`PostgresStoreError::MigrationBlocked`]. Run it again when the long transaction is
     /// gone.
-    ///
-    /// The index is built with a plain `CREATE INDEX`, which blocks writes to the table
-    /// while it reads the table (a transaction cannot build one `CONCURRENTLY`). On a large
-    /// table in service, build it first without blocking, under the name
-    /// [`migration_sql`](Self::migration_sql) gives it (`<schema>_<table>_resource_id`,
-    /// unless that is longer than 63 bytes), and `migrate` then finds it there:
-    ///
-    /// ```sql
-    /// ALTER TABLE public.idempotency_keys ADD COLUMN IF NOT EXISTS resource_id TEXT;
-    /// CREATE INDEX CONCURRENTLY IF NOT EXISTS public_idempotency_keys_resource_id
-    ///     ON public.idempotency_keys (resource_id) WHERE resource_id IS NOT NULL;
-    /// ```
-    ///
-    /// Migrate before instances of this release use the table: their statements write the
-    /// new columns. During a rolling upgrade, instances of the previous release neither
-    /// reset nor write `resource_id`, `replay_count` and `last_replayed_at`: a key reused
-    /// after its TTL and claimed on an old instance keeps the previous row's
-    /// `resource_id` (and counts). Finish the rollout before relying on these columns.
     pub async fn migrate(&self) -> Result<(), PostgresStoreError> {
         let mut client = self.pool.get().await?;
         let transaction = client.transaction().await?;
@@ -444,27 +423,17 @@ impl PostgresStore {
         let [expires_at, resource_id] = &self.table.indexes;
         let found = transaction
             .query_one(
-                "SELECT to_regclass($1) IS NOT NULL,
-    (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attnum > 0
-        AND NOT attisdropped AND attname::text = ANY($2::text[])),
-    to_regclass($3) IS NOT NULL,
-    to_regclass($4) IS NOT NULL",
-                &[
-                    &self.table.name,
-                    &&ADDED_COLUMNS[..],
-                    expires_at,
-                    resource_id,
-                ],
+                "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL,
+    to_regclass($3) IS NOT NULL",
+                &[&self.table.name, expires_at, resource_id],
             )
             .await?;
-        let (table, columns, expires_at, resource_id): (bool, i64, bool, bool) =
-            (found.get(0), found.get(1), found.get(2), found.get(3));
+        let (table, expires_at, resource_id): (bool, bool, bool) =
+            (found.get(0), found.get(1), found.get(2));
         let migration = &self.table.migration;
         let mut sql = String::new();
         if !table {
             sql.push_str(&migration.create_table);
-        } else if columns < ADDED_COLUMNS.len() as i64 {
-            sql.push_str(&migration.add_columns);
         }
         if !expires_at {
             sql.push_str(&migration.expires_at_index);
@@ -627,24 +596,18 @@ const MAX_IDENTIFIER: usize = 63;
 const INDEX_SUFFIXES: [&str; 3] = ["_scope", "_expires_at", "_resource_id"];
 
 /// The names of the unique constraint (`scope`) and the indexes of `schema.table`, each at
-/// most 63 bytes and distinct. They are `<schema>_<table>_<suffix>`, cut at 63 bytes as
-/// PostgreSQL cuts them, while that leaves them distinct (every table made by an earlier
-/// release whose indexes were all created keeps its names); for longer names, the first 42
-/// bytes of `<schema>_<table>`, then 8 hex digits of the SHA-256 of the qualified name,
-/// then the suffix.
+/// most 63 bytes (PostgreSQL cuts longer identifiers) and distinct:
+/// `<schema>_<table>_<suffix>` where that fits; else the first 42 bytes of
+/// `<schema>_<table>`, then 8 hex digits of the SHA-256 of the qualified name, then the
+/// suffix.
 fn index_names(schema: &str, table: &str) -> [String; 3] {
     let base = format!("{schema}_{table}");
-    // Cut names still differ in the suffix's first letter after the `_`.
-    if base.len() + 2 <= MAX_IDENTIFIER {
-        return INDEX_SUFFIXES.map(|suffix| {
-            let mut name = format!("{base}{suffix}");
-            name.truncate(MAX_IDENTIFIER);
-            name
-        });
+    let longest = INDEX_SUFFIXES.iter().map(|s| s.len()).max().unwrap_or(0);
+    if base.len() + longest <= MAX_IDENTIFIER {
+        return INDEX_SUFFIXES.map(|suffix| format!("{base}{suffix}"));
     }
     let digest = Sha256::digest(format!("{schema}.{table}").as_bytes());
     let hash: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
-    let longest = INDEX_SUFFIXES.iter().map(|s| s.len()).max().unwrap_or(0);
     let keep = MAX_IDENTIFIER - 1 - hash.len() - longest;
     // Identifiers are ASCII: any byte is a character boundary.
     INDEX_SUFFIXES.map(|suffix| format!("{}_{hash}{suffix}", &base[..keep]))
@@ -654,7 +617,6 @@ fn index_names(schema: &str, table: &str) -> [String; 3] {
 /// it creates is missing.
 struct Migration {
     create_table: String,
-    add_columns: String,
     expires_at_index: String,
     resource_id_index: String,
 }
@@ -686,14 +648,6 @@ impl Migration {
 );
 "
             ),
-            add_columns: format!(
-                "-- A table made before resource_id and replay accounting gains them in place.
-ALTER TABLE {table}
-    ADD COLUMN IF NOT EXISTS resource_id      TEXT,
-    ADD COLUMN IF NOT EXISTS replay_count     BIGINT NOT NULL DEFAULT 0,
-    ADD COLUMN IF NOT EXISTS last_replayed_at TIMESTAMPTZ;
-"
-            ),
             expires_at_index: format!(
                 "CREATE INDEX IF NOT EXISTS {expires_at} ON {table} (expires_at);
 "
@@ -710,7 +664,6 @@ ALTER TABLE {table}
     fn sql(&self) -> String {
         [
             &self.create_table,
-            &self.add_columns,
             &self.expires_at_index,
             &self.resource_id_index,
         ]
@@ -719,9 +672,6 @@ ALTER TABLE {table}
         .collect()
     }
 }
-
-/// The columns added since the first release, which `migrate` looks for.
-const ADDED_COLUMNS: [&str; 3] = ["resource_id", "replay_count", "last_replayed_at"];
 
 impl Table {
     fn new(schema: &str, table: &str) -> Self {
@@ -1092,7 +1042,7 @@ mod tests {
 
     #[test]
     fn index_names_fit_and_stay_distinct() {
-        // Names that fit are today's, unchanged.
+        // Names that fit are kept whole.
         assert_eq!(
             index_names("public", "idempotency_keys"),
             [
@@ -1101,10 +1051,16 @@ mod tests {
                 "public_idempotency_keys_resource_id",
             ]
         );
-        // Cut as PostgreSQL cut them, while that leaves them distinct.
-        let (schema, table) = ("s".repeat(30), "t".repeat(21));
+        // One byte too long for the longest suffix: every name is hashed, none cut.
+        let (schema, table) = ("s".repeat(30), "t".repeat(20));
+        assert_eq!(
+            index_names(&schema, &table)[2],
+            format!("{schema}_{table}_resource_id")
+        );
+        let table = "t".repeat(21);
         let names = index_names(&schema, &table);
-        assert_eq!(names[2], format!("{schema}_{table}_resource_i"));
+        assert!(!names[2].starts_with(&format!("{schema}_{table}")));
+        assert!(names[2].ends_with("_resource_id"));
         let (s41, t31) = ("s".repeat(41), "t".repeat(31));
         for (schema, table) in [
             (s41.as_str(), t31.as_str()),
