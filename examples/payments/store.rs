@@ -23,7 +23,7 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
     let shared = |store: Arc<dyn Store>| -> Arc<dyn Store> {
         match cache_records {
             0 => store,
-            records => Arc::new(CachedStore::new(store, records)),
+            records => Arc::new(CachedStore::from_shared(store, records)),
         }
     };
     #[cfg(feature = "redis")]

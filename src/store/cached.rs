@@ -57,8 +57,8 @@ use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 /// # }
 /// ```
 #[derive(Debug)]
-pub struct CachedStore<S> {
-    inner: S,
+pub struct CachedStore<S: ?Sized> {
+    inner: Arc<S>,
     shards: Shards<Shard>,
     max_per_shard: usize,
     /// `idempotency_cache_hits_total` and `_misses_total`, registered on first use.
@@ -90,6 +90,24 @@ struct Cached {
 impl<S: Store> CachedStore<S> {
     /// Caches up to about `max_records` completed records in front of `inner`.
     pub fn new(inner: S, max_records: usize) -> Self {
+        Self::from_shared(Arc::new(inner), max_records)
+    }
+}
+
+impl<S: Store + ?Sized> CachedStore<S> {
+    /// Caches up to about `max_records` completed records in front of a store shared with
+    /// others (or chosen at run time: `CachedStore<dyn Store>`).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tower_idempotency::{store::CachedStore, MemoryStore, Store};
+    ///
+    /// let chosen: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    /// let cached: CachedStore<dyn Store> = CachedStore::from_shared(chosen, 10_000);
+    /// ```
+    pub fn from_shared(inner: Arc<S>, max_records: usize) -> Self {
         Self {
             inner,
             shards: Shards::new(Shard::default),
@@ -141,7 +159,7 @@ impl<S: Store> CachedStore<S> {
 }
 
 #[async_trait]
-impl<S: Store> Store for CachedStore<S> {
+impl<S: Store + ?Sized> Store for CachedStore<S> {
     fn name(&self) -> &'static str {
         self.inner.name()
     }

@@ -1,6 +1,6 @@
 //! The store contract, and the stores that meet it.
 
-use std::{fmt::Debug, future::Future, pin::Pin, time::Duration};
+use std::{fmt::Debug, time::Duration};
 
 use async_trait::async_trait;
 
@@ -332,86 +332,5 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// default, `"custom"`, fits a store of one's own.
     fn name(&self) -> &'static str {
         "custom"
-    }
-}
-
-/// The future of a [`Store`] operation, as `#[async_trait]` writes it.
-type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
-
-/// A shared store is a store: layers can share one chosen at run time.
-///
-/// Written out rather than with `#[async_trait]`, which would box each call's future a
-/// second time around the shared store's own.
-impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
-    fn claim_with_token<'s, 'scope, 'f>(
-        &'s self,
-        scope: &'scope Scope,
-        fingerprint: Fingerprint,
-        token: ClaimToken,
-        lease: Duration,
-    ) -> StoreFuture<'f, Claim>
-    where
-        's: 'f,
-        'scope: 'f,
-        Self: 'f,
-    {
-        (**self).claim_with_token(scope, fingerprint, token, lease)
-    }
-
-    fn complete<'s, 'scope, 'response, 'f>(
-        &'s self,
-        scope: &'scope Scope,
-        token: ClaimToken,
-        fingerprint: Fingerprint,
-        response: &'response StoredResponse,
-        ttl: Duration,
-    ) -> StoreFuture<'f, Fenced>
-    where
-        's: 'f,
-        'scope: 'f,
-        'response: 'f,
-        Self: 'f,
-    {
-        (**self).complete(scope, token, fingerprint, response, ttl)
-    }
-
-    fn release<'s, 'scope, 'f>(
-        &'s self,
-        scope: &'scope Scope,
-        token: ClaimToken,
-    ) -> StoreFuture<'f, Fenced>
-    where
-        's: 'f,
-        'scope: 'f,
-        Self: 'f,
-    {
-        (**self).release(scope, token)
-    }
-
-    fn extend<'s, 'scope, 'f>(
-        &'s self,
-        scope: &'scope Scope,
-        token: ClaimToken,
-        lease: Duration,
-    ) -> StoreFuture<'f, Fenced>
-    where
-        's: 'f,
-        'scope: 'f,
-        Self: 'f,
-    {
-        (**self).extend(scope, token, lease)
-    }
-
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-
-    fn watch<'s, 'scope, 'f>(&'s self, scope: &'scope Scope) -> StoreFuture<'f, Option<Watch>>
-    where
-        's: 'f,
-        'scope: 'f,
-        Self: 'f,
-    {
-        (**self).watch(scope)
     }
 }
