@@ -18,7 +18,15 @@ use crate::{ClaimToken, Fingerprint};
 
 /// An in-process board on which a store announces that a key's record changed (completed
 /// or released), and from which waiters take a [`Watch`] on one key. A store with
-/// notifications of its own (Redis pub/sub, PostgreSQL `NOTIFY`) relays each one here.
+/// notifications of its own relays each one here.
+///
+/// What a store of one's own needs is [`new`](Self::new), [`watch`](Self::watch) (in
+/// [`Store::watch`](crate::Store::watch)) and [`announce`](Self::announce) (after each
+/// completion and release it applies, and each one its backend reports from elsewhere):
+/// the waiters woken read the key again, once between them. The crate's own stores also
+/// hand over the records they wrote and tell their own writes from reports, which saves
+/// reads; those parts stay inside the crate, where each use was checked against forged
+/// reports.
 ///
 /// Only keys somebody watches take room: a key's entry goes with its last watch.
 #[derive(Clone, Default)]
@@ -86,7 +94,7 @@ pub struct Watch {
 /// [`released`](Self::released); dropped without either, it announces the end, and the
 /// waiters read the key.
 #[must_use = "dropped at once, the end is announced before it is written"]
-pub struct Ending<'a> {
+pub(crate) struct Ending<'a> {
     announcements: &'a Announcements,
     key: &'a str,
     token: ClaimToken,
@@ -137,7 +145,7 @@ impl Announcements {
     /// told by the write. Any other report wakes them, however often it is heard: a report
     /// cannot be trusted to be the store's (whoever can notify could send one first, to
     /// make the real one look heard), and reading the key again costs a read, no more.
-    pub fn announce_end(&self, key: &str, token: ClaimToken) {
+    pub(crate) fn announce_end(&self, key: &str, token: ClaimToken) {
         self.end(key, token, Slot::reported);
     }
 
@@ -159,7 +167,7 @@ impl Announcements {
     /// reads the key. For a store's own completions, whose record it wrote: only what this
     /// process wrote is handed over this way, never what a notification says. Heard again
     /// (from the store's notifications), the end of the claim is no change.
-    pub fn announce_completed(
+    pub(crate) fn announce_completed(
         &self,
         key: &str,
         token: ClaimToken,
@@ -177,7 +185,7 @@ impl Announcements {
     /// could send any other. It runs only when somebody watches the key and the end is
     /// news, so a report its own write already handed over, or nobody waits for, costs no
     /// check.
-    pub fn announce_end_with(
+    pub(crate) fn announce_end_with(
         &self,
         key: &str,
         token: ClaimToken,
@@ -224,7 +232,7 @@ impl Announcements {
     /// write returns with, rather than one of them reading it. Dropped unannounced (the
     /// write failed, or its caller went away), the `Ending` announces the end: the waiters
     /// read the key, as after a notification.
-    pub fn ending<'a>(&'a self, key: &'a str, token: ClaimToken) -> Ending<'a> {
+    pub(crate) fn ending<'a>(&'a self, key: &'a str, token: ClaimToken) -> Ending<'a> {
         if self.anyone_watching() {
             if let Some(slot) = self.lock().get(key) {
                 lock(&slot.ends).writing = Some(token);
@@ -244,12 +252,12 @@ impl Announcements {
     }
 
     /// How many keys are watched now.
-    pub fn watched(&self) -> usize {
+    pub(crate) fn watched(&self) -> usize {
         self.lock().len()
     }
 
     /// Whether anybody watches `key`.
-    pub fn is_watched(&self, key: &str) -> bool {
+    pub(crate) fn is_watched(&self, key: &str) -> bool {
         self.lock().contains_key(key)
     }
 
@@ -442,14 +450,14 @@ impl Drop for PassOn<'_> {
 impl Ending<'_> {
     /// The record was completed, as `completed` says: the watches take it for what a read
     /// would find, as with [`Announcements::announce_completed`].
-    pub fn completed(self, completed: impl FnOnce() -> Claim) {
+    pub(crate) fn completed(self, completed: impl FnOnce() -> Claim) {
         let this = std::mem::ManuallyDrop::new(self);
         this.announcements
             .complete(this.key, this.token, Slot::written, || Some(completed()));
     }
 
     /// The claim was released: the watches read the key, one for them all.
-    pub fn released(self) {
+    pub(crate) fn released(self) {
         let this = std::mem::ManuallyDrop::new(self);
         this.announcements.end(this.key, this.token, Slot::written);
     }

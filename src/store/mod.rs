@@ -27,7 +27,8 @@ pub use self::postgres::{
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{RedisStore, RedisStoreError};
-pub use announce::{Announcements, Ending, Watch};
+pub(crate) use announce::Ending;
+pub use announce::{Announcements, Watch};
 pub use cached::CachedStore;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
@@ -311,18 +312,11 @@ pub trait Store: Debug + Send + Sync + 'static {
     ///
     /// `None` (the default) when the store announces nothing: a waiter then reads the key
     /// again every 20 ms, doubling up to 200 ms, until its bound. A store that announces
-    /// keeps an [`Announcements`] board, announces on it each completion and release it
-    /// applies (and each one its backend reports from elsewhere), and returns its watches.
-    /// Naming the claim that ended ([`Announcements::announce_end`]) lets one heard twice
-    /// (applied here, then reported back) count once; announcing its own completions with
-    /// the record ([`Announcements::announce_completed`]) spares its waiters a read. A
-    /// store whose report of its own write can come back before the write's reply marks
-    /// the write first ([`Announcements::ending`]): the report, heard early, then wakes
-    /// nobody, and the waiters are still handed the record. Hand waiters only records
-    /// this process wrote, or that the backend's report proves a store wrote (a signature
-    /// under the application's secret, checked: [`Announcements::announce_end_with`]): a
-    /// report may have been sent by anyone allowed to send one, so otherwise it only
-    /// wakes them to read.
+    /// keeps an [`Announcements`] board, returns its watches
+    /// ([`Announcements::watch`] of [`Scope::storage_key`]), and calls
+    /// [`Announcements::announce`] after each completion and release it applies, and each
+    /// one its backend reports from elsewhere: the waiters then read the key. A report
+    /// from a backend only ever makes them read: whoever can send one could have.
     async fn watch(&self, _scope: &Scope) -> Result<Option<Watch>> {
         Ok(None)
     }
