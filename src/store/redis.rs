@@ -405,7 +405,7 @@ impl RedisStore {
     pub async fn from_sentinel_client(client: SentinelClient) -> Result<Self, RedisStoreError> {
         let primary = Primary::sentinel(client, manager_config()).await?;
         let commands = AutoPipeline::new(primary);
-        let source = Source::Sentinel(Arc::clone(commands.transport()));
+        let source = Source::Sentinel(Arc::clone(commands.sink()));
         Ok(Self::with(Commands::Node(commands)).subscribing(source))
     }
 

@@ -44,7 +44,7 @@ pub(super) struct Queued {
 pub(super) type Reply = oneshot::Sender<RedisResult<Value>>;
 
 /// Where batches go: one server, or the masters of a cluster.
-pub(super) trait Transport: Send + Sync + 'static {
+pub(super) trait BatchSink: Send + Sync + 'static {
     /// Run when a writer starts: revives a connection that a runtime which has shut down
     /// may have left dead.
     fn revive(&self) -> impl Future<Output = ()> + Send;
@@ -64,26 +64,26 @@ pub(super) enum Unawaited {
     Send,
 }
 
-/// Sends commands through a [`Transport`], batching those issued together.
+/// Sends commands through a [`BatchSink`], batching those issued together.
 pub(super) struct AutoPipeline<T> {
-    transport: Arc<T>,
+    sink: Arc<T>,
     /// The writer's queue. The writer starts on first use, in the runtime that uses it, and
     /// stops when the last handle to this queue is dropped or when that runtime shuts down;
     /// then the next command starts a new one.
     queue: RwLock<Option<mpsc::UnboundedSender<Queued>>>,
 }
 
-impl<T: Transport> AutoPipeline<T> {
-    pub(super) fn new(transport: T) -> Self {
+impl<T: BatchSink> AutoPipeline<T> {
+    pub(super) fn new(sink: T) -> Self {
         Self {
-            transport: Arc::new(transport),
+            sink: Arc::new(sink),
             queue: RwLock::new(None),
         }
     }
 
     /// Where the batches go.
-    pub(super) fn transport(&self) -> &Arc<T> {
-        &self.transport
+    pub(super) fn sink(&self) -> &Arc<T> {
+        &self.sink
     }
 
     /// Sends `command` with the next batch and returns its reply; a server error comes
@@ -130,7 +130,7 @@ impl<T: Transport> AutoPipeline<T> {
             return;
         };
         let (sender, commands) = mpsc::unbounded_channel();
-        tokio::spawn(write_batches(Arc::clone(&self.transport), commands));
+        tokio::spawn(write_batches(Arc::clone(&self.sink), commands));
         // The writer holds the receiver until every sender is gone: this send succeeds.
         let _ = sender.send(queued);
         *queue = Some(sender);
@@ -147,11 +147,8 @@ fn send_to(queue: &Option<mpsc::UnboundedSender<Queued>>, queued: Queued) -> Opt
 
 /// Takes what is queued, batch after batch, until every sender is gone and every batch
 /// answered. Batches are handed to the connection in the order they were formed.
-async fn write_batches<T: Transport>(
-    transport: Arc<T>,
-    mut commands: mpsc::UnboundedReceiver<Queued>,
-) {
-    transport.revive().await;
+async fn write_batches<T: BatchSink>(sink: Arc<T>, mut commands: mpsc::UnboundedReceiver<Queued>) {
+    sink.revive().await;
     let mut in_flight = FuturesUnordered::new();
     loop {
         let first = tokio::select! {
@@ -169,7 +166,7 @@ async fn write_batches<T: Transport>(
         tokio::task::yield_now().await;
         let batch = take_batch(first, &mut commands);
         if !batch.is_empty() {
-            in_flight.push(Arc::clone(&transport).send(batch));
+            in_flight.push(Arc::clone(&sink).send(batch));
         }
     }
     while in_flight.next().await.is_some() {}

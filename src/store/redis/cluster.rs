@@ -26,7 +26,7 @@ use redis::{
 };
 
 use super::{
-    auto_pipeline::{Batch, Queued, Reply, Transport},
+    auto_pipeline::{Batch, BatchSink, Queued, Reply},
     replicas::Replicas,
 };
 
@@ -174,7 +174,7 @@ impl Cluster {
 }
 
 /// A cluster takes a batch as one pipeline per master.
-impl Transport for Cluster {
+impl BatchSink for Cluster {
     async fn revive(&self) {}
 
     async fn send(self: Arc<Self>, batch: Vec<Queued>) {

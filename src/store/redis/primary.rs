@@ -21,7 +21,7 @@ use redis::{
     ConnectionAddr, ErrorKind, RedisError, RedisResult, ServerErrorKind,
 };
 
-use super::auto_pipeline::{Batch, Queued, Transport};
+use super::auto_pipeline::{Batch, BatchSink, Queued};
 
 /// The least time between two questions to the sentinels: during a failover every failed
 /// batch would otherwise ask again.
@@ -154,7 +154,7 @@ impl Primary {
 }
 
 /// One server takes a whole batch as one pipeline: one write and one read.
-impl Transport for Primary {
+impl BatchSink for Primary {
     async fn revive(&self) {
         // The connection may be driven by a runtime that has shut down (the one the store
         // was opened in, or the one that ran the previous writer): a harmless command finds
