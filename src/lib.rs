@@ -42,30 +42,16 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs, missing_debug_implementations)]
 
-mod body;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
-mod execute;
 mod fingerprint;
-mod future;
-mod grpc;
-mod in_flight;
 mod key;
-mod layer;
-mod principal;
-mod problem;
-mod rejection;
-mod replay;
-mod request_body;
-mod scope;
-mod service;
+mod server;
 pub mod store;
-mod telemetry;
-mod wait;
 
 /// The Redis driver the store is built on, so applications use a matching version.
 #[cfg(feature = "redis")]
@@ -75,24 +61,18 @@ pub use ::redis;
 /// `#[tower_idempotency::async_trait]` on the `impl Store for …` block, so that a store
 /// needs no `async-trait` dependency of its own (see [`Store`] for an example).
 pub use async_trait::async_trait;
-pub use body::ResponseBody;
 /// The PostgreSQL pool the store is built on, so applications use a matching version.
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use deadpool_postgres;
 pub use fingerprint::Fingerprint;
-pub use future::ResponseFuture;
-pub use grpc::ResponseHead;
-pub use in_flight::InFlight;
 pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
-pub use layer::IdempotencyLayer;
-pub use principal::{DefaultPrincipal, ExtractPrincipal, Principal, Unscoped};
-pub use problem::{ProblemDetails, PROBLEM_JSON};
-pub use rejection::{Rejection, RejectionKind, RenderRejection};
-pub use replay::REPLAYED_HEADER;
-pub use request_body::{HandOnBody, RequestBody};
-pub use scope::Scope;
-pub use service::Idempotency;
+pub use server::{
+    DefaultPrincipal, ExtractPrincipal, HandOnBody, Idempotency, IdempotencyLayer, InFlight,
+    Principal, ProblemDetails, Rejection, RejectionKind, RenderRejection, RequestBody,
+    ResponseBody, ResponseFuture, ResponseHead, Scope, SpanField, Unscoped, PROBLEM_JSON,
+    REPLAYED_HEADER,
+};
 pub use store::record::{ClaimToken, DecodeError, Record, StoredResponse};
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
@@ -104,4 +84,3 @@ pub use store::PostgresStore;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisStore;
 pub use store::Store;
-pub use telemetry::SpanField;

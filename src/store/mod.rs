@@ -56,7 +56,10 @@ pub enum Error {
 /// What a store operation returns.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// The outcome of [`Store::claim`].
+/// The answer to [`Store::claim`]: the key taken by the caller, or what holds it. Not
+/// to be confused with a [`Record`](crate::Record), which is what a store keeps for a key
+/// (in progress or completed, encoded as bytes), nor with the
+/// [`StoredResponse`] inside a completed one, which is what a replay sends.
 #[derive(Clone, Debug, PartialEq, Eq)]
 // The completed variant is the one replays read: boxing it would cost them an allocation.
 #[allow(clippy::large_enum_variant)]

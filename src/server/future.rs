@@ -10,7 +10,7 @@ use futures_util::future::BoxFuture;
 use http::Response;
 use pin_project_lite::pin_project;
 
-use crate::body::ResponseBody;
+use super::body::ResponseBody;
 
 pin_project! {
     /// The response future of [`Idempotency`](crate::Idempotency).

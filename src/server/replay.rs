@@ -2,7 +2,8 @@
 
 use http::{HeaderName, HeaderValue, Response};
 
-use crate::{body::ResponseBody, StoredResponse};
+use super::body::ResponseBody;
+use crate::StoredResponse;
 
 /// The header that marks a replayed response.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";

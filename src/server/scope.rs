@@ -1,8 +1,54 @@
-//! Where a key means something: `(principal, endpoint, key)`, and its storage key.
+//! Where a key means something: `(principal, endpoint, key)`, its storage key, and how a
+//! request's scope is built (the principal is `principal.rs`'s to name).
 
-use std::ops::Range;
+use std::{ops::Range, sync::Arc};
 
+use http::request::Parts;
+
+use super::principal::Principal;
 use crate::IdempotencyKey;
+
+/// How a request names its endpoint, the middle part of a key's scope.
+#[derive(Clone, Debug)]
+pub(crate) enum Endpoint {
+    MethodAndPath,
+    #[cfg(feature = "axum")]
+    MatchedPath,
+    Fixed(Arc<str>),
+}
+
+/// The scope of a keyed request; the endpoint goes into the storage key in pieces, never
+/// assembled on its own.
+pub(crate) fn of_request(
+    endpoint: &Endpoint,
+    parts: &Parts,
+    principal: Option<&Principal>,
+    key: IdempotencyKey,
+) -> Scope {
+    let endpoint = endpoint_pieces(endpoint, parts);
+    Scope::from_parts(principal.map(Principal::as_str), &endpoint, key)
+}
+
+/// The endpoint a request is scoped to, whole: for the layer's answers to requests it
+/// refuses before their scope is built.
+pub(crate) fn endpoint_of(endpoint: &Endpoint, parts: &Parts) -> String {
+    endpoint_pieces(endpoint, parts).concat()
+}
+
+/// The endpoint part of a request's scope, in pieces: the layer's endpoint name, or
+/// `"<METHOD> <path>"` (the route template with `endpoint_from_matched_path`).
+fn endpoint_pieces<'a>(endpoint: &'a Endpoint, parts: &'a Parts) -> [&'a str; 3] {
+    let path = match endpoint {
+        Endpoint::Fixed(name) => return [name, "", ""],
+        #[cfg(feature = "axum")]
+        Endpoint::MatchedPath => parts
+            .extensions
+            .get::<axum::extract::MatchedPath>()
+            .map_or(parts.uri.path(), |matched| matched.as_str()),
+        Endpoint::MethodAndPath => parts.uri.path(),
+    };
+    [parts.method.as_str(), " ", path]
+}
 
 /// The scope of one idempotency key: the same key sent by two principals, or to two
 /// endpoints, names two different operations.

@@ -17,10 +17,12 @@ use tracing::Span;
 
 use crate::store::{self, Claim, Fenced};
 
+use super::scope::Scope;
+
 /// What the layer did with a request: the `outcome` label of `idempotency_requests_total`
 /// and the `outcome` field of the request's span.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
+pub(crate) enum RequestOutcome {
     /// The handler ran and its response was recorded.
     Executed,
     /// The recorded response was replayed.
@@ -51,40 +53,40 @@ pub(crate) enum Outcome {
     PrincipalMissing,
 }
 
-impl Outcome {
-    const ALL: [Outcome; 14] = [
-        Outcome::Executed,
-        Outcome::Replayed,
-        Outcome::Waited,
-        Outcome::InProgress,
-        Outcome::Mismatch,
-        Outcome::KeyMissing,
-        Outcome::InvalidKey,
-        Outcome::BodyTooLarge,
-        Outcome::InvalidBody,
-        Outcome::StoreUnavailable,
-        Outcome::FailOpen,
-        Outcome::Released,
-        Outcome::NotReplayable,
-        Outcome::PrincipalMissing,
+impl RequestOutcome {
+    const ALL: [RequestOutcome; 14] = [
+        RequestOutcome::Executed,
+        RequestOutcome::Replayed,
+        RequestOutcome::Waited,
+        RequestOutcome::InProgress,
+        RequestOutcome::Mismatch,
+        RequestOutcome::KeyMissing,
+        RequestOutcome::InvalidKey,
+        RequestOutcome::BodyTooLarge,
+        RequestOutcome::InvalidBody,
+        RequestOutcome::StoreUnavailable,
+        RequestOutcome::FailOpen,
+        RequestOutcome::Released,
+        RequestOutcome::NotReplayable,
+        RequestOutcome::PrincipalMissing,
     ];
 
     pub(crate) const fn label(self) -> &'static str {
         match self {
-            Outcome::Executed => "executed",
-            Outcome::Replayed => "replayed",
-            Outcome::Waited => "waited",
-            Outcome::InProgress => "in_progress",
-            Outcome::Mismatch => "mismatch",
-            Outcome::KeyMissing => "key_missing",
-            Outcome::InvalidKey => "invalid_key",
-            Outcome::BodyTooLarge => "body_too_large",
-            Outcome::InvalidBody => "invalid_body",
-            Outcome::StoreUnavailable => "store_unavailable",
-            Outcome::FailOpen => "fail_open",
-            Outcome::Released => "released",
-            Outcome::NotReplayable => "not_replayable",
-            Outcome::PrincipalMissing => "principal_missing",
+            RequestOutcome::Executed => "executed",
+            RequestOutcome::Replayed => "replayed",
+            RequestOutcome::Waited => "waited",
+            RequestOutcome::InProgress => "in_progress",
+            RequestOutcome::Mismatch => "mismatch",
+            RequestOutcome::KeyMissing => "key_missing",
+            RequestOutcome::InvalidKey => "invalid_key",
+            RequestOutcome::BodyTooLarge => "body_too_large",
+            RequestOutcome::InvalidBody => "invalid_body",
+            RequestOutcome::StoreUnavailable => "store_unavailable",
+            RequestOutcome::FailOpen => "fail_open",
+            RequestOutcome::Released => "released",
+            RequestOutcome::NotReplayable => "not_replayable",
+            RequestOutcome::PrincipalMissing => "principal_missing",
         }
     }
 }
@@ -119,45 +121,45 @@ impl Operation {
 /// How a store call ended: answered (`ok`), refused by the fence (`fence_lost`: the claim
 /// was no longer the caller's), or failed (`error`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Answer {
+pub(crate) enum StoreResult {
     Ok,
     FenceLost,
     Error,
 }
 
-impl Answer {
-    const ALL: [Answer; 3] = [Answer::Ok, Answer::FenceLost, Answer::Error];
+impl StoreResult {
+    const ALL: [StoreResult; 3] = [StoreResult::Ok, StoreResult::FenceLost, StoreResult::Error];
 
     const fn label(self) -> &'static str {
         match self {
-            Answer::Ok => "ok",
-            Answer::FenceLost => "fence_lost",
-            Answer::Error => "error",
+            StoreResult::Ok => "ok",
+            StoreResult::FenceLost => "fence_lost",
+            StoreResult::Error => "error",
         }
     }
 }
 
 /// What a store call's result says, for its `result` label.
-pub(crate) trait Answered {
-    fn answer(&self) -> Answer;
+pub(crate) trait ReportsStoreResult {
+    fn store_result(&self) -> StoreResult;
 }
 
-impl Answered for store::Result<Claim> {
-    fn answer(&self) -> Answer {
+impl ReportsStoreResult for store::Result<Claim> {
+    fn store_result(&self) -> StoreResult {
         if self.is_ok() {
-            Answer::Ok
+            StoreResult::Ok
         } else {
-            Answer::Error
+            StoreResult::Error
         }
     }
 }
 
-impl Answered for store::Result<Fenced> {
-    fn answer(&self) -> Answer {
+impl ReportsStoreResult for store::Result<Fenced> {
+    fn store_result(&self) -> StoreResult {
         match self {
-            Ok(Fenced::Applied) => Answer::Ok,
-            Ok(Fenced::Lost) => Answer::FenceLost,
-            Err(_) => Answer::Error,
+            Ok(Fenced::Applied) => StoreResult::Ok,
+            Ok(Fenced::Lost) => StoreResult::FenceLost,
+            Err(_) => StoreResult::Error,
         }
     }
 }
@@ -172,8 +174,8 @@ pub(crate) struct Meters {
 }
 
 struct Handles {
-    requests: [Counter; Outcome::ALL.len()],
-    operations: [[Histogram; Answer::ALL.len()]; Operation::ALL.len()],
+    requests: [Counter; RequestOutcome::ALL.len()],
+    operations: [[Histogram; StoreResult::ALL.len()]; Operation::ALL.len()],
     execution: Histogram,
     in_flight: Gauge,
     fence_lost: Counter,
@@ -193,11 +195,11 @@ impl Meters {
             describe();
             let store = self.store;
             Handles {
-                requests: Outcome::ALL.map(|outcome| {
+                requests: RequestOutcome::ALL.map(|outcome| {
                     metrics::counter!("idempotency_requests_total", "outcome" => outcome.label())
                 }),
                 operations: Operation::ALL.map(|operation| {
-                    Answer::ALL.map(|answer| {
+                    StoreResult::ALL.map(|answer| {
                         metrics::histogram!(
                             "idempotency_store_operation_seconds",
                             "store" => store,
@@ -217,18 +219,18 @@ impl Meters {
     /// that fits: routine outcomes at `debug`, a client's mistakes at `info`. (The store
     /// failing and fail-open executions are logged where they happen, at `error` and
     /// `warn`.)
-    pub(crate) fn answered(&self, outcome: Outcome) {
+    pub(crate) fn answered(&self, outcome: RequestOutcome) {
         self.handles().requests[outcome as usize].increment(1);
         let span = Span::current();
         if !span.is_disabled() {
             span.record("outcome", outcome.label());
         }
         match outcome {
-            Outcome::Mismatch
-            | Outcome::KeyMissing
-            | Outcome::InvalidKey
-            | Outcome::BodyTooLarge
-            | Outcome::InvalidBody => {
+            RequestOutcome::Mismatch
+            | RequestOutcome::KeyMissing
+            | RequestOutcome::InvalidKey
+            | RequestOutcome::BodyTooLarge
+            | RequestOutcome::InvalidBody => {
                 tracing::info!(outcome = outcome.label(), "idempotency: request refused")
             }
             _ => tracing::debug!(outcome = outcome.label(), "idempotency: request answered"),
@@ -238,12 +240,17 @@ impl Meters {
     /// Records a store call begun at `started` that ended with `result`, and counts a lost
     /// fence. (Timed where it is awaited: wrapping the call in a future of its own would
     /// move the store's future once more per call.)
-    pub(crate) fn stored(&self, operation: Operation, started: Instant, result: &impl Answered) {
+    pub(crate) fn stored(
+        &self,
+        operation: Operation,
+        started: Instant,
+        result: &impl ReportsStoreResult,
+    ) {
         let elapsed = started.elapsed();
-        let answer = result.answer();
+        let answer = result.store_result();
         let handles = self.handles();
         handles.operations[operation as usize][answer as usize].record(elapsed);
-        if answer == Answer::FenceLost {
+        if answer == StoreResult::FenceLost {
             handles.fence_lost.increment(1);
         }
         tracing::debug!(
@@ -316,7 +323,7 @@ pub(crate) fn request_span() -> Span {
 
 /// Names the request's scope on its span, as configured: digests are made only for a span
 /// some subscriber records.
-pub(crate) fn show_scope(scope: &crate::Scope, key: SpanField, principal: SpanField) {
+pub(crate) fn show_scope(scope: &Scope, key: SpanField, principal: SpanField) {
     let span = Span::current();
     if span.is_disabled() {
         return;
@@ -378,19 +385,19 @@ mod tests {
 
     #[test]
     fn labels_are_distinct_and_indexed_in_order() {
-        for (index, outcome) in Outcome::ALL.iter().enumerate() {
+        for (index, outcome) in RequestOutcome::ALL.iter().enumerate() {
             assert_eq!(*outcome as usize, index);
         }
         for (index, operation) in Operation::ALL.iter().enumerate() {
             assert_eq!(*operation as usize, index);
         }
-        for (index, answer) in Answer::ALL.iter().enumerate() {
+        for (index, answer) in StoreResult::ALL.iter().enumerate() {
             assert_eq!(*answer as usize, index);
         }
-        let mut labels: Vec<_> = Outcome::ALL.iter().map(|o| o.label()).collect();
+        let mut labels: Vec<_> = RequestOutcome::ALL.iter().map(|o| o.label()).collect();
         labels.sort();
         labels.dedup();
-        assert_eq!(labels.len(), Outcome::ALL.len());
+        assert_eq!(labels.len(), RequestOutcome::ALL.len());
     }
 
     #[test]

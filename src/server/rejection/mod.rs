@@ -5,12 +5,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 
-use crate::{
+use super::{
     body::ResponseBody,
     grpc::{code, Protocol},
-    layer::Config,
-    StoredResponse,
 };
+use crate::StoredResponse;
+
+pub(crate) mod problem;
 
 /// Why the layer answered a request itself instead of passing it to the inner service:
 /// what a [`RenderRejection`] renders.
@@ -21,7 +22,7 @@ use crate::{
 #[non_exhaustive]
 pub struct Rejection {
     reason: Reason,
-    endpoint: Option<String>,
+    endpoint: String,
 }
 
 /// What kind of [`Rejection`] it is.
@@ -124,7 +125,7 @@ where
 }
 
 impl Rejection {
-    pub(crate) fn new(reason: Reason, endpoint: Option<String>) -> Self {
+    pub(crate) fn new(reason: Reason, endpoint: String) -> Self {
         Self { reason, endpoint }
     }
 
@@ -212,10 +213,10 @@ impl Rejection {
         }
     }
 
-    /// The endpoint of the key's scope (`"POST /v1/payments"`, or the layer's endpoint
-    /// name), where the request named one.
-    pub fn endpoint(&self) -> Option<&str> {
-        self.endpoint.as_deref()
+    /// The endpoint of the request's scope: `"POST /v1/payments"`, or the layer's
+    /// endpoint name.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
     }
 
     /// A short summary for people, the same for every rejection of a kind (the IETF
@@ -353,8 +354,12 @@ impl Rejection {
 
     /// The rejection as the layer answers it: a gRPC status to a gRPC request, else the
     /// layer's rendering (default: [`json_response`](Self::json_response)).
-    fn render(&self, protocol: Protocol, config: &Config) -> Response<Bytes> {
-        let mut response = match (protocol, &config.render_rejections) {
+    fn render(
+        &self,
+        protocol: Protocol,
+        renderer: Option<&dyn RenderRejection>,
+    ) -> Response<Bytes> {
+        let mut response = match (protocol, renderer) {
             (Protocol::Grpc, _) => return self.grpc_response(),
             (Protocol::Http, None) => return self.json_response(),
             (Protocol::Http, Some(render)) => render.render(self),
@@ -371,14 +376,18 @@ impl Rejection {
     pub(crate) fn into_response<B>(
         self,
         protocol: Protocol,
-        config: &Config,
+        renderer: Option<&dyn RenderRejection>,
     ) -> Response<ResponseBody<B>> {
-        self.render(protocol, config).map(ResponseBody::full)
+        self.render(protocol, renderer).map(ResponseBody::full)
     }
 
     /// The rejection as a record, for answers that every retry must get.
-    pub(crate) fn into_stored(self, protocol: Protocol, config: &Config) -> StoredResponse {
-        let (parts, body) = self.render(protocol, config).into_parts();
+    pub(crate) fn into_stored(
+        self,
+        protocol: Protocol,
+        renderer: Option<&dyn RenderRejection>,
+    ) -> StoredResponse {
+        let (parts, body) = self.render(protocol, renderer).into_parts();
         StoredResponse {
             status: parts.status,
             headers: parts.headers,
@@ -398,7 +407,7 @@ mod tests {
     use super::*;
 
     fn rejection(reason: Reason) -> Rejection {
-        Rejection::new(reason, None)
+        Rejection::new(reason, "POST /v1/payments".to_owned())
     }
 
     #[test]

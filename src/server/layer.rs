@@ -1,30 +1,34 @@
-//! `IdempotencyLayer` and its configuration.
+//! `IdempotencyLayer`: the builder of a layer's settings, and the `Layer` that applies them.
 
 use std::{fmt, sync::Arc, time::Duration};
 
 use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
-use crate::{
-    grpc::ResponseHead,
+use super::{
+    config::Config,
     in_flight::InFlight,
     principal::{BoxedPrincipal, DefaultPrincipal, ExtractPrincipal, Unscoped},
     rejection::RenderRejection,
+    release::ResponseHead,
+    scope::Endpoint,
     service::Idempotency,
-    store::Store,
-    telemetry::{Meters, SpanField},
-    wait::Waiters,
+    state::{Shared, State},
+    telemetry::SpanField,
 };
-
-/// How many requests of one layer may wait for their originals at once, by default.
-const DEFAULT_MAX_WAITING: usize = 10_000;
+use crate::store::Store;
 
 /// Applies [`Idempotency`] to a service: requests carrying an `Idempotency-Key` execute once
 /// and every retry gets the first response back.
 ///
 /// Each layer has its own configuration, so routes can differ: apply one per route
-/// (`post(handler).layer(..)`, `Router::route_layer`) or one to a whole router. Cloning is
-/// cheap and shares the store.
+/// (`post(handler).layer(..)`, `Router::route_layer`) or one to a whole router.
+///
+/// Cloning is cheap. A clone is the same layer, whatever settings it goes on to change:
+/// it shares the store, the executions in flight ([`in_flight`](Self::in_flight)) and the
+/// cap on waiting requests ([`max_waiting`](Self::max_waiting)) with the layer it came
+/// from. A layer made with [`new`](Self::new) or [`from_shared`](Self::from_shared) has
+/// its own.
 ///
 /// # Example
 ///
@@ -41,95 +45,8 @@ const DEFAULT_MAX_WAITING: usize = 10_000;
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     store: Arc<dyn Store>,
-    config: Arc<Config>,
-}
-
-/// What a layer does; shared by every service it makes.
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) methods: Vec<Method>,
-    pub(crate) header_name: HeaderName,
-    pub(crate) required: bool,
-    pub(crate) ttl: Duration,
-    pub(crate) lease: Duration,
-    pub(crate) max_request_body: usize,
-    pub(crate) max_response_body: usize,
-    pub(crate) release_on: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
-    /// `None`: the default, transient gRPC statuses, looked for on gRPC requests only.
-    pub(crate) release_when: Option<ReleaseWhen>,
-    pub(crate) fail_open: bool,
-    pub(crate) principal: BoxedPrincipal,
-    /// Whether keyed requests that name no principal share one anonymous scope, rather
-    /// than being refused: chosen with `allow_anonymous`, or by `unscoped` until another
-    /// principal extractor replaces `Unscoped`.
-    pub(crate) anonymous: bool,
-    pub(crate) unscoped: bool,
-    /// Whether `Set-Cookie` is recorded and replayed with the rest of a response.
-    pub(crate) replay_set_cookie: bool,
-    pub(crate) endpoint: Endpoint,
-    pub(crate) fingerprint_headers: Vec<HeaderName>,
-    /// `Some`: duplicates of a key in progress wait up to this long for its outcome.
-    pub(crate) wait: Option<Duration>,
-    pub(crate) max_waiting: usize,
-    pub(crate) waiters: Waiters,
-    /// `None`: the default JSON errors, [`Rejection::json_response`](crate::Rejection::json_response).
-    pub(crate) render_rejections: Option<Arc<dyn RenderRejection>>,
-    pub(crate) in_flight: InFlight,
-    pub(crate) meters: Meters,
-    pub(crate) span_key: SpanField,
-    pub(crate) span_principal: SpanField,
-}
-
-/// A judge of whole responses, set by [`IdempotencyLayer::release_when`].
-pub(crate) type ReleaseWhen = Arc<dyn Fn(&ResponseHead<'_>) -> bool + Send + Sync>;
-
-/// How a request names its endpoint, the middle part of a key's scope.
-#[derive(Clone, Debug)]
-pub(crate) enum Endpoint {
-    MethodAndPath,
-    #[cfg(feature = "axum")]
-    MatchedPath,
-    Fixed(Arc<str>),
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            methods: vec![Method::POST, Method::PATCH],
-            header_name: HeaderName::from_static("idempotency-key"),
-            required: false,
-            ttl: Duration::from_secs(24 * 60 * 60),
-            lease: Duration::from_secs(30),
-            max_request_body: 1024 * 1024,
-            max_response_body: 1024 * 1024,
-            release_on: Arc::new(releases_by_default),
-            release_when: None,
-            fail_open: false,
-            principal: BoxedPrincipal(Arc::new(DefaultPrincipal::new())),
-            anonymous: false,
-            unscoped: false,
-            replay_set_cookie: false,
-            endpoint: Endpoint::MethodAndPath,
-            fingerprint_headers: Vec::new(),
-            render_rejections: None,
-            wait: None,
-            max_waiting: DEFAULT_MAX_WAITING,
-            waiters: Waiters::default(),
-            in_flight: InFlight::default(),
-            meters: Meters::new("custom"),
-            span_key: SpanField::default(),
-            span_principal: SpanField::default(),
-        }
-    }
-}
-
-/// The statuses that say the operation was not done, or its outcome is unknown: 5xx,
-/// `408 Request Timeout` (a timeout layer inside gave up on the handler) and
-/// `429 Too Many Requests` (a rate limiter inside turned the request away).
-pub(crate) fn releases_by_default(status: StatusCode) -> bool {
-    status.is_server_error()
-        || status == StatusCode::REQUEST_TIMEOUT
-        || status == StatusCode::TOO_MANY_REQUESTS
+    config: Config,
+    state: State,
 }
 
 impl IdempotencyLayer {
@@ -155,13 +72,10 @@ impl IdempotencyLayer {
     /// let refunds = IdempotencyLayer::from_shared(store);
     /// ```
     pub fn from_shared(store: Arc<dyn Store>) -> Self {
-        let config = Config {
-            meters: Meters::new(store.name()),
-            ..Config::default()
-        };
         Self {
+            state: State::new(store.name()),
             store,
-            config: Arc::new(config),
+            config: Config::default(),
         }
     }
 
@@ -169,7 +83,7 @@ impl IdempotencyLayer {
     /// outcome): wait for them to settle in a graceful shutdown, after the server stops.
     /// Every clone of the layer, and every service it made, shares them.
     pub fn in_flight(&self) -> InFlight {
-        self.config.in_flight.clone()
+        self.state.in_flight.clone()
     }
 
     /// How each keyed request's `idempotency` span shows its idempotency key. Default:
@@ -184,25 +98,21 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).span_key(SpanField::Plain);
     /// ```
     pub fn span_key(mut self, shown: SpanField) -> Self {
-        self.config().span_key = shown;
+        self.config.span_key = shown;
         self
     }
 
     /// How each keyed request's `idempotency` span shows its principal. Default:
     /// [`SpanField::Digest`].
     pub fn span_principal(mut self, shown: SpanField) -> Self {
-        self.config().span_principal = shown;
+        self.config.span_principal = shown;
         self
     }
 
     /// How many requests of this layer (every clone, every service it made) wait for their
     /// originals now (see [`wait_for_original`](Self::wait_for_original)).
     pub fn waiting(&self) -> usize {
-        self.config.waiters.count()
-    }
-
-    fn config(&mut self) -> &mut Config {
-        Arc::make_mut(&mut self.config)
+        self.state.waiters.count()
     }
 
     /// The methods handled; every other request passes straight through, unbuffered.
@@ -216,7 +126,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).methods([Method::POST, Method::PUT]);
     /// ```
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.config().methods = methods.into_iter().collect();
+        self.config.methods = methods.into_iter().collect();
         self
     }
 
@@ -231,7 +141,7 @@ impl IdempotencyLayer {
     ///     .header_name(HeaderName::from_static("x-idempotency-key"));
     /// ```
     pub fn header_name(mut self, name: HeaderName) -> Self {
-        self.config().header_name = name;
+        self.config.header_name = name;
         self
     }
 
@@ -245,7 +155,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).required();
     /// ```
     pub fn required(mut self) -> Self {
-        self.config().required = true;
+        self.config.required = true;
         self
     }
 
@@ -259,7 +169,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).ttl(Duration::from_secs(7 * 86_400));
     /// ```
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.config().ttl = ttl;
+        self.config.ttl = ttl;
         self
     }
 
@@ -283,7 +193,7 @@ impl IdempotencyLayer {
             lease >= Duration::from_millis(3),
             "an idempotency lease must be at least 3 ms"
         );
-        self.config().lease = lease;
+        self.config.lease = lease;
         self
     }
 
@@ -297,7 +207,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).max_request_body(64 * 1024);
     /// ```
     pub fn max_request_body(mut self, bytes: usize) -> Self {
-        self.config().max_request_body = bytes;
+        self.config.max_request_body = bytes;
         self
     }
 
@@ -313,7 +223,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).max_response_body(4 * 1024 * 1024);
     /// ```
     pub fn max_response_body(mut self, bytes: usize) -> Self {
-        self.config().max_response_body = bytes;
+        self.config.max_response_body = bytes;
         self
     }
 
@@ -336,7 +246,7 @@ impl IdempotencyLayer {
         mut self,
         release: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
     ) -> Self {
-        self.config().release_on = Arc::new(release);
+        self.config.release.on_status(release);
         self
     }
 
@@ -362,7 +272,7 @@ impl IdempotencyLayer {
         mut self,
         release: impl Fn(&ResponseHead<'_>) -> bool + Send + Sync + 'static,
     ) -> Self {
-        self.config().release_when = Some(Arc::new(release));
+        self.config.release.when(release);
         self
     }
 
@@ -377,7 +287,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).fail_open();
     /// ```
     pub fn fail_open(mut self) -> Self {
-        self.config().fail_open = true;
+        self.config.fail_open = true;
         self
     }
 
@@ -403,9 +313,8 @@ impl IdempotencyLayer {
     /// });
     /// ```
     pub fn principal(mut self, extractor: impl ExtractPrincipal) -> Self {
-        let config = self.config();
-        config.principal = BoxedPrincipal(Arc::new(extractor));
-        config.unscoped = false;
+        self.config.principal = BoxedPrincipal(Arc::new(extractor));
+        self.config.unscoped = false;
         self
     }
 
@@ -446,7 +355,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).allow_anonymous();
     /// ```
     pub fn allow_anonymous(mut self) -> Self {
-        self.config().anonymous = true;
+        self.config.anonymous = true;
         self
     }
 
@@ -461,7 +370,7 @@ impl IdempotencyLayer {
     /// ```
     pub fn unscoped(self) -> Self {
         let mut layer = self.principal(Unscoped);
-        layer.config().unscoped = true;
+        layer.config.unscoped = true;
         layer
     }
 
@@ -478,7 +387,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).replay_set_cookie();
     /// ```
     pub fn replay_set_cookie(mut self) -> Self {
-        self.config().replay_set_cookie = true;
+        self.config.replay_set_cookie = true;
         self
     }
 
@@ -495,7 +404,7 @@ impl IdempotencyLayer {
     #[cfg(feature = "axum")]
     #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     pub fn endpoint_from_matched_path(mut self) -> Self {
-        self.config().endpoint = Endpoint::MatchedPath;
+        self.config.endpoint = Endpoint::MatchedPath;
         self
     }
 
@@ -509,7 +418,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).endpoint_name("create-order");
     /// ```
     pub fn endpoint_name(mut self, name: impl Into<String>) -> Self {
-        self.config().endpoint = Endpoint::Fixed(name.into().into());
+        self.config.endpoint = Endpoint::Fixed(name.into().into());
         self
     }
 
@@ -525,7 +434,7 @@ impl IdempotencyLayer {
     ///     .fingerprint_header(HeaderName::from_static("x-account"));
     /// ```
     pub fn fingerprint_header(mut self, name: HeaderName) -> Self {
-        self.config().fingerprint_headers.push(name);
+        self.config.fingerprint_headers.push(name);
         self
     }
 
@@ -582,7 +491,7 @@ impl IdempotencyLayer {
     ///     .wait_for_original(Duration::from_secs(5));
     /// ```
     pub fn wait_for_original(mut self, bound: Duration) -> Self {
-        self.config().wait = Some(bound);
+        self.config.wait = Some(bound);
         self
     }
 
@@ -600,7 +509,7 @@ impl IdempotencyLayer {
     ///     .max_waiting(500);
     /// ```
     pub fn max_waiting(mut self, waiters: usize) -> Self {
-        self.config().max_waiting = waiters;
+        self.config.max_waiting = waiters;
         self
     }
 
@@ -623,7 +532,7 @@ impl IdempotencyLayer {
     ///
     /// See [`RenderRejection`] for a renderer of one's own.
     pub fn render_rejections(mut self, renderer: impl RenderRejection) -> Self {
-        self.config().render_rejections = Some(Arc::new(renderer));
+        self.config.render_rejections = Some(Arc::new(renderer));
         self
     }
 }
@@ -632,7 +541,12 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, self.store.clone(), self.config.clone())
+        let shared = Shared {
+            store: Arc::clone(&self.store),
+            config: self.config.clone(),
+            state: self.state.clone(),
+        };
+        Idempotency::new(inner, Arc::new(shared))
     }
 }
 
@@ -645,24 +559,65 @@ impl fmt::Debug for IdempotencyLayer {
     }
 }
 
-impl fmt::Debug for Config {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Config")
-            .field("methods", &self.methods)
-            .field("header_name", &self.header_name)
-            .field("required", &self.required)
-            .field("ttl", &self.ttl)
-            .field("lease", &self.lease)
-            .field("max_request_body", &self.max_request_body)
-            .field("max_response_body", &self.max_response_body)
-            .field("fail_open", &self.fail_open)
-            .field("anonymous", &self.anonymous)
-            .field("replay_set_cookie", &self.replay_set_cookie)
-            .field("endpoint", &self.endpoint)
-            .field("fingerprint_headers", &self.fingerprint_headers)
-            .field("custom_rejections", &self.render_rejections.is_some())
-            .field("wait", &self.wait)
-            .field("max_waiting", &self.max_waiting)
-            .finish_non_exhaustive()
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use std::{convert::Infallible, sync::Arc, time::Duration};
+
+    use bytes::Bytes;
+    use http::Request;
+    use http_body_util::Full;
+    use tokio::sync::Semaphore;
+    use tower::{service_fn, ServiceExt};
+
+    use super::*;
+    use crate::MemoryStore;
+
+    /// Starts a keyed request through `layer` whose handler holds its key until `done`.
+    fn start(layer: &IdempotencyLayer, key: &str, done: &Arc<Semaphore>) {
+        let done = Arc::clone(done);
+        let handler = service_fn(move |_: Request<Full<Bytes>>| {
+            let done = Arc::clone(&done);
+            async move {
+                let _ = done.acquire().await;
+                Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::new())))
+            }
+        });
+        let request = Request::post("/pay")
+            .header("idempotency-key", key)
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        tokio::spawn(layer.layer(handler).oneshot(request));
+    }
+
+    #[tokio::test]
+    async fn a_clone_shares_its_layers_state_and_a_new_layer_does_not() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let base = IdempotencyLayer::from_shared(Arc::clone(&store)).allow_anonymous();
+        let clone = base.clone().required().ttl(Duration::from_secs(60));
+        let apart = IdempotencyLayer::from_shared(store).allow_anonymous();
+        let done = Arc::new(Semaphore::new(0));
+        start(&clone, "k1", &done);
+        start(&apart, "k2", &done);
+        start(&apart, "k3", &done);
+        let settled = |layer: &IdempotencyLayer, count| {
+            let in_flight = layer.in_flight();
+            async move {
+                for _ in 0..200 {
+                    if in_flight.count() == count {
+                        return true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                false
+            }
+        };
+        assert!(settled(&apart, 2).await);
+        assert!(
+            settled(&base, 1).await,
+            "the clone's execution is the base's too"
+        );
+        assert_eq!(clone.in_flight().count(), 1);
+        done.add_permits(3);
+        assert!(settled(&base, 0).await && settled(&apart, 0).await);
     }
 }

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 
-use crate::rejection::{Rejection, RejectionKind, RenderRejection};
+use super::{Rejection, RejectionKind, RenderRejection};
 
 /// Renders rejections as the IETF `Idempotency-Key` draft
 /// (`draft-ietf-httpapi-idempotency-key-header`) describes them: `application/problem+json`

@@ -1,0 +1,265 @@
+//! Recording a response: buffered up to the layer's limit, judged by the release policy,
+//! stored without the headers that belong to one transmission, and handed on to its
+//! client whole, whatever was recorded.
+
+use std::{fmt, pin::Pin};
+
+use bytes::{Bytes, BytesMut};
+use http::{header, HeaderMap, HeaderName, Response, StatusCode};
+use http_body::Body;
+use http_body_util::BodyExt;
+
+use super::{
+    body::ResponseBody,
+    grpc::Protocol,
+    lease::Lease,
+    rejection::{Reason, Rejection},
+    telemetry::RequestOutcome,
+};
+use crate::{fingerprint::SentHeaders, Fingerprint, StoredResponse};
+
+/// Buffers the response (up to `max_response_body`), records it unless the release
+/// policy gives the key back, and returns it to its client.
+pub(crate) async fn record<B>(
+    lease: &Lease,
+    protocol: Protocol,
+    fingerprint: Fingerprint,
+    asked: &SentHeaders,
+    response: Response<B>,
+) -> Response<ResponseBody<B>>
+where
+    B: Body<Data = Bytes>,
+    B::Error: fmt::Display,
+{
+    let config = &lease.shared().config;
+    let (parts, body) = response.into_parts();
+    let (stored, body, fingerprint, outcome) =
+        match buffer_response(body, config.max_response_body).await {
+            Buffered::Whole { body, trailers } => {
+                let releases = config.release.releases_whole(
+                    protocol,
+                    parts.status,
+                    &parts.headers,
+                    trailers.as_ref(),
+                );
+                if releases {
+                    lease.release("the response releases the key").await;
+                    let body = ResponseBody::with_trailers(body, trailers);
+                    return Response::from_parts(parts, body);
+                }
+                let headers = replayable_headers(&parts.headers, config.replay_set_cookie);
+                let stored = StoredResponse {
+                    status: parts.status,
+                    headers,
+                    body: body.clone(),
+                    trailers: trailers.clone(),
+                };
+                let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
+                (
+                    stored,
+                    ResponseBody::with_trailers(body, trailers),
+                    fingerprint,
+                    RequestOutcome::Executed,
+                )
+            }
+            Buffered::TooLarge { prefix, rest } => {
+                lease.warn(
+                "response larger than max_response_body: retries get 409 response_not_replayable",
+            );
+                let reason = Reason::NotReplayable {
+                    status: parts.status,
+                };
+                let endpoint = lease.scope().endpoint().to_owned();
+                let renderer = config.render_rejections.as_deref();
+                let stored = Rejection::new(reason, endpoint).into_stored(protocol, renderer);
+                // Not the response but a refusal to replay it, to every retry alike.
+                let body = ResponseBody::spliced(prefix, rest);
+                (stored, body, fingerprint, RequestOutcome::NotReplayable)
+            }
+            Buffered::Failed(error) => {
+                tracing::error!(%error, "the response body failed");
+                lease.release("the response body failed").await;
+                let mut response = Response::new(ResponseBody::full(Bytes::new()));
+                *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                return response;
+            }
+        };
+    lease.complete(fingerprint, &stored).await;
+    lease.shared().state.meters.answered(outcome);
+    Response::from_parts(parts, body)
+}
+
+enum Buffered<B: Body> {
+    Whole {
+        body: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    TooLarge {
+        prefix: Bytes,
+        rest: Pin<Box<B>>,
+    },
+    Failed(B::Error),
+}
+
+/// Reads `body` up to `limit` bytes. Boxed, so that a body that is not `Unpin` can be read
+/// in place and still handed on whole when it turns out too large.
+async fn buffer_response<B>(body: B, limit: usize) -> Buffered<B>
+where
+    B: Body<Data = Bytes>,
+{
+    let mut body = Box::pin(body);
+    if body.size_hint().lower() > limit as u64 {
+        return Buffered::TooLarge {
+            prefix: Bytes::new(),
+            rest: body,
+        };
+    }
+    // Most bodies are one frame: keep it without copying.
+    let mut first: Option<Bytes> = None;
+    let mut trailers: Option<HeaderMap> = None;
+    let mut more = BytesMut::new();
+    let mut len = 0;
+    while let Some(frame) = body.frame().await {
+        let data = match frame {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => data,
+                Err(frame) => {
+                    if let Ok(more) = frame.into_trailers() {
+                        trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                    }
+                    continue;
+                }
+            },
+            Err(error) => return Buffered::Failed(error),
+        };
+        len += data.len();
+        match &first {
+            None => first = Some(data),
+            Some(head) => {
+                if more.is_empty() {
+                    more.extend_from_slice(head);
+                }
+                more.extend_from_slice(&data);
+            }
+        }
+        if len > limit {
+            let prefix = if more.is_empty() {
+                first.unwrap_or_default()
+            } else {
+                more.freeze()
+            };
+            return Buffered::TooLarge { prefix, rest: body };
+        }
+    }
+    let body = if more.is_empty() {
+        first.unwrap_or_default()
+    } else {
+        more.freeze()
+    };
+    Buffered::Whole { body, trailers }
+}
+
+/// Every header but the hop-by-hop ones (RFC 9110 §7.6.1, and any that `Connection`
+/// names) and `Date`, which belong to one transmission, not to the response; and unless
+/// `set_cookie`, `Set-Cookie`, which belongs to one client's session: a replay goes to
+/// whoever sends the key again.
+fn replayable_headers(headers: &HeaderMap, set_cookie: bool) -> HeaderMap {
+    const NOT_REPLAYED: [&str; 10] = [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "date",
+    ];
+    let named_by_connection: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    // One more than kept: a replay adds its marker without growing the map.
+    let mut kept = HeaderMap::with_capacity(headers.len() + 1);
+    for (name, value) in headers {
+        if !NOT_REPLAYED.contains(&name.as_str())
+            && !named_by_connection.contains(name)
+            && (set_cookie || name != header::SET_COOKIE)
+        {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+    use http_body_util::{Full, StreamBody};
+
+    #[test]
+    fn hop_by_hop_headers_and_date_are_not_replayed() {
+        let mut headers = HeaderMap::new();
+        headers.append("content-type", HeaderValue::from_static("application/json"));
+        headers.append(
+            "date",
+            HeaderValue::from_static("Tue, 01 Dec 2026 00:00:00 GMT"),
+        );
+        headers.append("connection", HeaderValue::from_static("x-hop"));
+        headers.append("x-hop", HeaderValue::from_static("1"));
+        headers.append("transfer-encoding", HeaderValue::from_static("chunked"));
+        headers.append("set-cookie", HeaderValue::from_static("a=1"));
+        headers.append("set-cookie", HeaderValue::from_static("b=2"));
+        let kept = |set_cookie| {
+            let kept = replayable_headers(&headers, set_cookie);
+            kept.iter()
+                .map(|(n, v)| (n.as_str().to_owned(), v.to_str().unwrap().to_owned()))
+                .collect::<Vec<_>>()
+        };
+        let pairs = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            kept(true),
+            pairs(&[
+                ("content-type", "application/json"),
+                ("set-cookie", "a=1"),
+                ("set-cookie", "b=2")
+            ])
+        );
+        // By default a session cookie is not handed to whoever replays.
+        assert_eq!(kept(false), pairs(&[("content-type", "application/json")]));
+    }
+
+    #[tokio::test]
+    async fn buffering_stops_at_the_limit_and_keeps_the_rest() {
+        let chunks = (0..10u8).map(|i| {
+            Ok::<_, std::convert::Infallible>(http_body::Frame::data(Bytes::from(vec![i; 100])))
+        });
+        let body = StreamBody::new(futures_util::stream::iter(chunks));
+        match buffer_response(body, 250).await {
+            Buffered::TooLarge { prefix, rest } => {
+                assert_eq!(prefix.len(), 300);
+                let rest = rest.collect().await.unwrap().to_bytes();
+                assert_eq!(prefix.len() + rest.len(), 1000);
+                assert_eq!(rest[0], 3);
+            }
+            _ => panic!("expected TooLarge"),
+        }
+        match buffer_response(Full::new(Bytes::from_static(b"abc")), 3).await {
+            Buffered::Whole { body, trailers } => {
+                assert_eq!(body, "abc");
+                assert!(trailers.is_none());
+            }
+            _ => panic!("expected Whole"),
+        }
+    }
+}

@@ -1,0 +1,242 @@
+//! The story of one keyed request: read its body, scope and fingerprint it, claim its
+//! key, then answer from what the claim found, or execute once and record the outcome.
+
+use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::{request::Parts, Request, Response};
+use http_body::Body;
+use tokio::time::Instant;
+use tower_service::Service;
+
+use super::{
+    body::ResponseBody,
+    capture,
+    grpc::Protocol,
+    lease::{self, FinishOnDrop, Lease},
+    principal::Principal,
+    rejection::{Reason, Rejection},
+    replay::replay,
+    request_body::{self, BoxError, HandOnBody},
+    scope,
+    state::Shared,
+    telemetry::{self, RequestOutcome},
+    wait,
+};
+use crate::{fingerprint::SentHeaders, store::Claim, ClaimToken, Fingerprint, IdempotencyKey};
+
+/// Answers a keyed request: a replay, a rejection, or the inner service's response
+/// (recorded unless released).
+///
+/// Everything runs in the request's own task; an execution whose request is dropped
+/// finishes in a task of its own, so a client disconnecting cannot cancel it or its
+/// recording.
+///
+/// A `fn` returning an `async move` block rather than an `async fn`, which would keep each
+/// argument twice in the future (the argument, and the local it is moved into).
+#[allow(clippy::manual_async_fn)] // on purpose: see above
+pub(crate) fn keyed<S, ReqBody, ResBody>(
+    inner: S,
+    shared: Arc<Shared>,
+    (principal, key): (Option<Principal>, IdempotencyKey),
+    (parts, body): (Parts, ReqBody),
+) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
+where
+    S: Service<Request<ReqBody::HandedOn>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: HandOnBody + Send + 'static,
+    ReqBody::HandedOn: Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: fmt::Display + Send,
+{
+    async move {
+        let config = &shared.config;
+        let meters = &shared.state.meters;
+        // Read only where the layer answers by itself: a replay never needs it.
+        let protocol = || Protocol::of(&parts.headers);
+        let renderer = config.render_rejections.as_deref();
+        let body = match request_body::read_whole(&parts, body, config.max_request_body).await {
+            Ok(body) => body,
+            Err(reason) => {
+                meters.answered(match reason {
+                    Reason::BodyTooLarge { .. } => RequestOutcome::BodyTooLarge,
+                    _ => RequestOutcome::InvalidBody,
+                });
+                let endpoint = scope::endpoint_of(&config.endpoint, &parts);
+                let rejection = Rejection::new(reason, endpoint);
+                return Ok(rejection.into_response(protocol(), renderer));
+            }
+        };
+        let scope = scope::of_request(&config.endpoint, &parts, principal.as_ref(), key);
+        telemetry::show_scope(&scope, config.span_key, config.span_principal);
+        let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
+        let reject = |reason| {
+            let rejection = Rejection::new(reason, scope.endpoint().to_owned());
+            Ok(rejection.into_response(protocol(), renderer))
+        };
+        let token = ClaimToken::unique();
+        let mut claim = lease::claim(&shared, &scope, fingerprint, token).await;
+        // A duplicate of a running request may wait for its outcome (opt-in, bounded).
+        let mut waited = false;
+        if let Some(bound) = config.wait {
+            let duplicate = matches!(&claim, Ok(Claim::InProgress { fingerprint: theirs, .. }) if *theirs == fingerprint);
+            if let Some(_waiting) = duplicate
+                .then(|| shared.state.waiters.enter(config.max_waiting))
+                .flatten()
+            {
+                let again = || lease::claim(&shared, &scope, fingerprint, token);
+                let store = &*shared.store;
+                // Boxed: kept in place, this rare path would make every request's future
+                // larger.
+                let waiting =
+                    wait::for_original(store, &scope, fingerprint, (bound, config.lease), again);
+                claim = Box::pin(waiting).await;
+                waited = true;
+            }
+        }
+        let answered = |outcome| meters.answered(outcome);
+        match claim {
+            Ok(Claim::Claimed(_)) => {}
+            Ok(Claim::InProgress {
+                fingerprint: theirs,
+                ..
+            }) if theirs != fingerprint => {
+                answered(RequestOutcome::Mismatch);
+                return reject(Reason::ReusedWithDifferentParams);
+            }
+            // A record of a negotiated response (`Vary`) keeps the fingerprint varied by
+            // what its request asked for: only a retry asking the same matches. A record
+            // of a response that varies on nothing keeps the plain one.
+            Ok(Claim::Completed {
+                fingerprint: theirs,
+                response,
+                ..
+            }) if theirs == fingerprint
+                || theirs == fingerprint.varied(&response.headers, &parts.headers) =>
+            {
+                answered(if waited {
+                    RequestOutcome::Waited
+                } else {
+                    RequestOutcome::Replayed
+                });
+                return Ok(replay(response));
+            }
+            Ok(Claim::Completed { .. }) => {
+                answered(RequestOutcome::Mismatch);
+                return reject(Reason::ReusedWithDifferentParams);
+            }
+            Ok(Claim::InProgress {
+                lease_remaining,
+                running_for,
+                ..
+            }) => {
+                let retry_after = retry_after(running_for, lease_remaining);
+                answered(RequestOutcome::InProgress);
+                return reject(Reason::InProgress { retry_after });
+            }
+            Err(error) if config.fail_open => {
+                tracing::warn!(
+                    %error,
+                    "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
+                );
+                answered(RequestOutcome::FailOpen);
+                let request = Request::from_parts(parts, ReqBody::rebuilt(body));
+                // Boxed: kept in place, this rare path's future would make every request's
+                // future larger.
+                let started = Instant::now();
+                let mut inner = inner;
+                let response = Box::pin(inner.call(request)).await;
+                meters.executed_for(started.elapsed());
+                return Ok(response?.map(ResponseBody::inner));
+            }
+            Err(error) => {
+                tracing::error!(
+                    %error,
+                    "idempotency store unavailable: refusing the request (fail-closed)"
+                );
+                answered(RequestOutcome::StoreUnavailable);
+                return reject(Reason::StoreUnavailable);
+            }
+        }
+        // Read once claimed, so that a replay pays nothing for it: the lease began a round
+        // trip earlier, which only lets a write be retried a little past it, where the
+        // fence refuses it anyway.
+        let protocol = protocol();
+        let lease = Lease::new(shared, scope, token, Instant::now());
+        // Rebuilt only here: a replay or a rejection never needs the request again.
+        let request = Request::from_parts(parts, ReqBody::rebuilt(body));
+        FinishOnDrop::new(execute(lease, protocol, inner, fingerprint, request)).await
+    }
+}
+
+/// Runs the inner service once, keeping the lease alive, then records or releases.
+async fn execute<S, ReqBody, ResBody>(
+    lease: Lease,
+    protocol: Protocol,
+    mut inner: S,
+    fingerprint: Fingerprint,
+    request: Request<ReqBody>,
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: Body<Data = Bytes>,
+    ResBody::Error: fmt::Display,
+{
+    // What the request asked for, in case the response turns out to be negotiated on it
+    // (`Vary`): its record must match only retries that ask the same.
+    let asked = SentHeaders::of(request.headers());
+    let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
+    let started = Instant::now();
+    let called = lease.renew_while(call).await;
+    let shared = lease.shared();
+    shared.state.meters.executed_for(started.elapsed());
+    match called {
+        Err(panic) => {
+            lease.release("the handler panicked").await;
+            std::panic::resume_unwind(panic)
+        }
+        Ok(Err(error)) => {
+            lease.release("the inner service failed").await;
+            Err(error)
+        }
+        Ok(Ok(response)) if shared.config.release.releases_status(response.status()) => {
+            lease.release("the response status releases the key").await;
+            Ok(response.map(ResponseBody::inner))
+        }
+        Ok(Ok(response)) => {
+            Ok(capture::record(&lease, protocol, fingerprint, &asked, response).await)
+        }
+    }
+}
+
+/// When a duplicate should come back: after as long again as the holder has been running
+/// (a result that took a second so far is likely a second away; one that took ten, ten),
+/// at least a second, and no later than the lease runs out (when a crashed holder's key
+/// frees itself). Unknown running time counts as none: ask again soon.
+fn retry_after(running_for: Option<Duration>, lease_remaining: Duration) -> Duration {
+    let soonest = Duration::from_secs(1);
+    running_for
+        .unwrap_or_default()
+        .max(soonest)
+        .min(lease_remaining.max(soonest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_tracks_the_running_time_within_the_lease() {
+        let secs = Duration::from_secs;
+        let lease = secs(29);
+        assert_eq!(retry_after(None, lease), secs(1));
+        assert_eq!(retry_after(Some(Duration::from_millis(80)), lease), secs(1));
+        assert_eq!(retry_after(Some(secs(7)), lease), secs(7));
+        assert_eq!(retry_after(Some(secs(40)), lease), lease);
+        // A lease about to run out still leaves a second to come back in.
+        assert_eq!(retry_after(Some(secs(5)), Duration::ZERO), secs(1));
+    }
+}

@@ -1,0 +1,351 @@
+//! A claimed key: claiming it, keeping its lease alive while the handler runs, writing its
+//! outcome until the store answers, and never leaving it held when a request is dropped.
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    pin::Pin,
+    sync::{Arc, Mutex, PoisonError},
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::{
+    in_flight::Execution,
+    state::Shared,
+    telemetry::{Operation, RequestOutcome},
+};
+use crate::{
+    store::{self, Claim, Fenced},
+    ClaimToken, Fingerprint, Scope, StoredResponse,
+};
+
+/// The first pause before writing an outcome again after the store failed the write, and
+/// the longest: doubled each time in between. The writes go on until one is answered or the
+/// claim's lease runs out.
+const WRITE_RETRY_FIRST: Duration = Duration::from_millis(25);
+const WRITE_RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// Claims `scope` with `token`, or reads what holds it. A claim whose answer its request
+/// never sees (dropped while in flight, or failed) is released.
+pub(crate) async fn claim(
+    shared: &Arc<Shared>,
+    scope: &Scope,
+    fingerprint: Fingerprint,
+    token: ClaimToken,
+) -> store::Result<Claim> {
+    let abandoned = AbandonedClaim::arm(shared, scope, token);
+    let started = std::time::Instant::now();
+    let claim = shared
+        .store
+        .claim_with_token(scope, fingerprint, token, shared.config.lease)
+        .await;
+    shared
+        .state
+        .meters
+        .stored(Operation::Claim, started, &claim);
+    if settled(&claim) {
+        abandoned.disarm();
+    }
+    claim
+}
+
+/// Whether a claim's outcome is known. One that failed (a timeout, a dropped connection)
+/// may still have been applied: it is released like an abandoned one, so it cannot hold the
+/// key for a lease. One the store could not take needs no release, and during an outage
+/// sending one would only double the failed attempts.
+fn settled(claim: &store::Result<Claim>) -> bool {
+    matches!(claim, Ok(_) | Err(store::Error::Unavailable(_)))
+}
+
+/// A key this request claimed, with what it takes to write to it. Counted among the
+/// layer's executions in flight while it lives.
+pub(crate) struct Lease {
+    shared: Arc<Shared>,
+    scope: Scope,
+    token: ClaimToken,
+    /// When the last claim or renewal that the store applied was sent: the lease runs
+    /// until at least this plus the lease.
+    renewed: Mutex<Instant>,
+    _in_flight: Execution,
+}
+
+impl Lease {
+    /// The lease of a claim applied no earlier than `claimed_at`.
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        scope: Scope,
+        token: ClaimToken,
+        claimed_at: Instant,
+    ) -> Self {
+        let state = &shared.state;
+        let in_flight = state.in_flight.enter(state.meters.in_flight());
+        Self {
+            shared,
+            scope,
+            token,
+            renewed: Mutex::new(claimed_at),
+            _in_flight: in_flight,
+        }
+    }
+
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    pub(crate) fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// Drives `future` to completion, renewing the lease every third of it.
+    pub(crate) async fn renew_while<F: Future>(&self, future: F) -> F::Output {
+        // The renewals run beside the handler, never in its way: a slow store delays a
+        // renewal, not the handler's next poll. Their schedule starts now, not when first
+        // polled, so a handler that blocks its thread finds its renewal overdue.
+        let period = self.shared.config.lease / 3;
+        let first = Instant::now() + period;
+        tokio::select! {
+            biased;
+            output = future => output,
+            never = self.renew_lease(first, period) => match never {},
+        }
+    }
+
+    /// Renews the lease every `period` from `first`, until the claim is lost.
+    async fn renew_lease(&self, first: Instant, period: Duration) -> Infallible {
+        let lease = self.shared.config.lease;
+        let mut ticks = tokio::time::interval_at(first, period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            let sent = Instant::now();
+            let started = std::time::Instant::now();
+            let extended = self
+                .shared
+                .store
+                .extend(&self.scope, self.token, lease)
+                .await;
+            self.shared
+                .state
+                .meters
+                .stored(Operation::Extend, started, &extended);
+            match extended {
+                Ok(Fenced::Applied) => {
+                    *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) = sent;
+                }
+                Ok(Fenced::Lost) => {
+                    self.warn(
+                        "lease lost while the handler ran: another request may execute this key",
+                    );
+                    return std::future::pending().await;
+                }
+                Err(error) => tracing::warn!(%error, "could not renew the idempotency lease"),
+            }
+        }
+    }
+
+    /// Runs a write after the handler until the store answers it: a blip (a restart, a
+    /// failover, a dropped connection) must not cost the record, or the next retry would
+    /// run the operation again. Retried with backoff while the store fails, for as long as
+    /// the claim's lease lasts (counted from the last renewal the store applied), and the
+    /// lease is renewed meanwhile whenever the store answers. Writes are fenced and
+    /// idempotent, so repeating one that did apply is harmless; past the lease, the key
+    /// may be another request's, and the fence would refuse the write anyway.
+    async fn write_until_settled<'a, F>(
+        &'a self,
+        operation: Operation,
+        write: impl Fn() -> F,
+    ) -> store::Result<Fenced>
+    where
+        F: Future<Output = store::Result<Fenced>> + 'a,
+    {
+        let meters = &self.shared.state.meters;
+        // The first attempt goes alone: a store that answers (nearly always) costs no timer.
+        let started = std::time::Instant::now();
+        let written = write().await;
+        meters.stored(operation, started, &written);
+        let first = match written {
+            Err(error) => error,
+            done => return done,
+        };
+        let retries = async {
+            let mut error = first;
+            let mut backoff = WRITE_RETRY_FIRST;
+            loop {
+                let next = Instant::now() + backoff;
+                if next >= self.lease_ends() {
+                    return Err(error);
+                }
+                tracing::warn!(
+                    %error, retry_in = ?backoff,
+                    "idempotency store write failed; retrying while the lease lasts"
+                );
+                tokio::time::sleep_until(next).await;
+                backoff = (backoff * 2).min(WRITE_RETRY_MAX);
+                let started = std::time::Instant::now();
+                let written = write().await;
+                meters.stored(operation, started, &written);
+                error = match written {
+                    Err(error) => error,
+                    done => return done,
+                };
+            }
+        };
+        self.renew_while(retries).await
+    }
+
+    /// When the claim's lease runs out, as far as this request knows.
+    fn lease_ends(&self) -> Instant {
+        *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) + self.shared.config.lease
+    }
+
+    /// Gives the key back, so that a retry executes again; counted as released.
+    pub(crate) async fn release(&self, why: &str) {
+        match self.give_back().await {
+            Ok(Fenced::Applied) => {
+                tracing::debug!(why, "idempotency key released");
+            }
+            Ok(Fenced::Lost) => self.warn("could not release: the claim was already lost"),
+            Err(error) => tracing::error!(
+                %error, why,
+                "could not release the idempotency key within its lease: it frees itself as the lease runs out"
+            ),
+        }
+        self.shared.state.meters.answered(RequestOutcome::Released);
+    }
+
+    async fn give_back(&self) -> store::Result<Fenced> {
+        let release = || self.shared.store.release(&self.scope, self.token);
+        self.write_until_settled(Operation::Release, release).await
+    }
+
+    /// Records `response` as the key's outcome, replayed to every retry until the
+    /// layer's ttl runs out.
+    pub(crate) async fn complete(&self, fingerprint: Fingerprint, response: &StoredResponse) {
+        let ttl = self.shared.config.ttl;
+        let complete = || {
+            self.shared
+                .store
+                .complete(&self.scope, self.token, fingerprint, response, ttl)
+        };
+        match self
+            .write_until_settled(Operation::Complete, complete)
+            .await
+        {
+            Ok(Fenced::Applied) => {}
+            Ok(Fenced::Lost) => {
+                self.warn("claim lost before the response was recorded: it will not be replayed")
+            }
+            Err(error) => tracing::error!(
+                %error,
+                "could not record the response within the lease: a retry after the lease runs out executes again"
+            ),
+        }
+    }
+
+    pub(crate) fn warn(&self, message: &str) {
+        tracing::warn!(token = ?self.token, "{message}");
+    }
+}
+
+/// Releases a claim whose answer its request never saw (the request was dropped while
+/// the claim was in flight, or the claim failed). Release is fenced by the token, so
+/// releasing a claim that did not happen is harmless.
+struct AbandonedClaim<'a> {
+    armed: Option<(&'a Arc<Shared>, &'a Scope, ClaimToken)>,
+}
+
+impl<'a> AbandonedClaim<'a> {
+    fn arm(shared: &'a Arc<Shared>, scope: &'a Scope, token: ClaimToken) -> Self {
+        Self {
+            armed: Some((shared, scope, token)),
+        }
+    }
+
+    fn disarm(mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for AbandonedClaim<'_> {
+    fn drop(&mut self) {
+        let Some((shared, scope, token)) = self.armed.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        // Counted from now: the claim left before, so its lease ends no later than this.
+        let lease = Lease::new(Arc::clone(shared), scope.clone(), token, Instant::now());
+        let releasing = async move {
+            if let Err(error) = lease.give_back().await {
+                tracing::warn!(%error, "could not release an abandoned claim: it frees itself when its lease runs out");
+            }
+        };
+        runtime.spawn(releasing.instrument(tracing::Span::current()));
+    }
+}
+
+/// An execution polled in place by its request; if the request is dropped first (its client
+/// went away), the rest of the execution (the handler, the recording) moves to a task of
+/// its own rather than being cancelled. Running in place saves a task per execution; the
+/// execution is boxed so it can move without being polled again from scratch.
+pub(crate) struct FinishOnDrop<F: Future + Send + 'static>
+where
+    F::Output: Send,
+{
+    execution: Option<Pin<Box<F>>>,
+    /// The request's span, which the execution keeps in a task of its own.
+    span: tracing::Span,
+}
+
+impl<F: Future + Send + 'static> FinishOnDrop<F>
+where
+    F::Output: Send,
+{
+    pub(crate) fn new(execution: F) -> Self {
+        Self {
+            execution: Some(Box::pin(execution)),
+            span: tracing::Span::current(),
+        }
+    }
+}
+
+impl<F: Future + Send + 'static> Future for FinishOnDrop<F>
+where
+    F::Output: Send,
+{
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        // Taken out while polled: one that panics is dropped here, never handed to a task.
+        let mut execution = self
+            .execution
+            .take()
+            .expect("FinishOnDrop polled after completion");
+        let poll = execution.as_mut().poll(cx);
+        if poll.is_pending() {
+            self.execution = Some(execution);
+        }
+        poll
+    }
+}
+
+impl<F: Future + Send + 'static> Drop for FinishOnDrop<F>
+where
+    F::Output: Send,
+{
+    fn drop(&mut self) {
+        let Some(execution) = self.execution.take() else {
+            return;
+        };
+        // Without a runtime (one shutting down) nothing can finish it: the lease frees
+        // the key, as after a crash.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(execution.instrument(self.span.clone()));
+        }
+    }
+}
