@@ -68,8 +68,8 @@ pub use deadpool_postgres;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use server::{
-    DefaultPrincipal, ExtractPrincipal, HandOnBody, Idempotency, IdempotencyLayer, InFlight,
-    Principal, ProblemDetails, Rejection, RejectionKind, RenderRejection, RequestBody,
+    DefaultPrincipal, DerivedKeys, ExtractPrincipal, HandOnBody, Idempotency, IdempotencyLayer,
+    InFlight, Principal, ProblemDetails, Rejection, RejectionKind, RenderRejection, RequestBody,
     ResponseBody, ResponseFuture, ResponseHead, Scope, SpanField, Unscoped, PROBLEM_JSON,
     REPLAYED_HEADER,
 };

@@ -13,6 +13,7 @@ use tower_service::Service;
 use super::{
     body::ResponseBody,
     capture,
+    derived_key::DerivedKeys,
     grpc::Protocol,
     lease::{self, FinishOnDrop, Lease},
     principal::Principal,
@@ -40,7 +41,7 @@ pub(crate) fn keyed<S, ReqBody, ResBody>(
     inner: S,
     shared: Arc<Shared>,
     (principal, key): (Option<Principal>, IdempotencyKey),
-    (parts, body): (Parts, ReqBody),
+    (mut parts, body): (Parts, ReqBody),
 ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
 where
     S: Service<Request<ReqBody::HandedOn>, Response = Response<ResBody>> + Send + 'static,
@@ -143,6 +144,7 @@ where
                     "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
                 );
                 answered(RequestOutcome::FailOpen);
+                parts.extensions.insert(DerivedKeys::of(&scope));
                 let request = Request::from_parts(parts, ReqBody::rebuilt(body));
                 // Boxed: kept in place, this rare path's future would make every request's
                 // future larger.
@@ -165,6 +167,7 @@ where
         // trip earlier, which only lets a write be retried a little past it, where the
         // fence refuses it anyway.
         let protocol = protocol();
+        parts.extensions.insert(DerivedKeys::of(&scope));
         let lease = Lease::new(shared, scope, token, Instant::now());
         // Rebuilt only here: a replay or a rejection never needs the request again.
         let request = Request::from_parts(parts, ReqBody::rebuilt(body));

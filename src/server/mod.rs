@@ -15,6 +15,7 @@
 //! | duplicates waiting for their original | `wait.rs` |
 //! | replaying a record | `replay.rs` |
 //! | the response body the layer returns | `body.rs` |
+//! | keys for the handler's downstream calls | `derived_key.rs` |
 //! | the layer's own answers and how they are rendered | `rejection/` |
 //! | gRPC requests | `grpc.rs` |
 //! | metrics and spans | `telemetry.rs` |
@@ -26,6 +27,7 @@
 mod body;
 mod capture;
 mod config;
+mod derived_key;
 mod execute;
 mod future;
 mod grpc;
@@ -44,6 +46,7 @@ mod telemetry;
 mod wait;
 
 pub use body::ResponseBody;
+pub use derived_key::DerivedKeys;
 pub use future::ResponseFuture;
 pub use in_flight::InFlight;
 pub use layer::IdempotencyLayer;
