@@ -27,6 +27,7 @@ pub use self::postgres::{
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{RedisStore, RedisStoreError};
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) use announce::Ending;
 pub use announce::{Announcements, Watch};
 pub use cached::CachedStore;
