@@ -10,15 +10,30 @@ use std::{
 };
 
 use axum::{
-    extract::{FromRequest, Request, State},
-    http::{header, request::Parts, StatusCode},
+    extract::{FromRef, FromRequest, Request, State},
+    http::{header, request::Parts, HeaderMap, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post},
     Form, Json, Router,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use tower_idempotency::{IdempotencyLayer, InFlight, ProblemDetails, Store};
+use tower_idempotency::{DerivedKeys, IdempotencyLayer, InFlight, ProblemDetails, Store};
+
+// By path, so that the tests that include this file find it too.
+#[cfg(feature = "client")]
+#[path = "processor.rs"]
+mod processor;
+#[cfg(feature = "client")]
+use processor::Processor;
+
+/// What the handlers share: the counters, and the processor payments are charged at.
+#[derive(Clone, FromRef)]
+struct App {
+    stats: Arc<Stats>,
+    #[cfg(feature = "client")]
+    processor: Option<Processor>,
+}
 
 /// Handler executions (never replays), and what makes ids unique across restarts.
 #[derive(Debug)]
@@ -73,6 +88,9 @@ pub struct Settings {
     pub wait: Option<Duration>,
     /// Whether handlers run unprotected while the store is unreachable (else `503`).
     pub fail_open: bool,
+    /// The base URL of a processor each payment also charges; `None`: no processor.
+    #[cfg(feature = "client")]
+    pub processor: Option<String>,
 }
 
 impl Default for Settings {
@@ -84,6 +102,8 @@ impl Default for Settings {
             max_response_body: None,
             wait: None,
             fail_open: false,
+            #[cfg(feature = "client")]
+            processor: None,
         }
     }
 }
@@ -111,6 +131,11 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
         layer = layer.fail_open();
     }
     let stats = Arc::new(Stats::new(layer.in_flight()));
+    let state = App {
+        stats: stats.clone(),
+        #[cfg(feature = "client")]
+        processor: settings.processor.as_deref().map(Processor::new),
+    };
     let app = Router::new()
         .route(
             "/v1/payments",
@@ -119,7 +144,7 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
         .route("/v1/refunds", post(create_refund).layer(layer.clone()))
         .route("/v1/tokens", post(create_token).layer(layer.required()))
         .route("/v1/stats", get(get_stats))
-        .with_state(stats.clone());
+        .with_state(state);
     (app, stats)
 }
 
@@ -171,12 +196,18 @@ enum Simulate {
     Decline,
     Error,
     Slow,
+    /// The payment's work first (the processor's charge), then `delay_ms` of sleep.
+    #[serde(rename = "slow_after")]
+    SlowAfter,
 }
 
 async fn create_payment(
-    State(stats): State<Arc<Stats>>,
+    State(app): State<App>,
+    keys: DerivedKeys,
+    headers: HeaderMap,
     ChargeBody(charge): ChargeBody,
 ) -> Response {
+    let stats = &app.stats;
     stats.payments.fetch_add(1, Ordering::Relaxed);
     match charge.simulate {
         Some(Simulate::Error) => {
@@ -197,9 +228,38 @@ async fn create_payment(
         Some(Simulate::Slow) => {
             tokio::time::sleep(Duration::from_millis(charge.delay_ms.unwrap_or(0))).await;
         }
-        None => {}
+        Some(Simulate::SlowAfter) | None => {}
     }
-    created(&stats, "pay", "/v1/payments", charge)
+    #[cfg(feature = "client")]
+    let processor_id = match &app.processor {
+        Some(processor) => {
+            let authorization = headers.get(header::AUTHORIZATION);
+            let charged = processor
+                .charge(&keys, authorization, charge.amount, &charge.currency)
+                .await;
+            match charged {
+                Ok(id) => Some(id),
+                Err(error) => {
+                    tracing::warn!(%error, "the processor did not charge the payment");
+                    let body = Json(json!({ "error": "processor_unavailable" }));
+                    return (StatusCode::BAD_GATEWAY, body).into_response();
+                }
+            }
+        }
+        None => None,
+    };
+    #[cfg(not(feature = "client"))]
+    let (processor_id, _) = (None, (keys, headers));
+    if charge.simulate == Some(Simulate::SlowAfter) {
+        tokio::time::sleep(Duration::from_millis(charge.delay_ms.unwrap_or(0))).await;
+    }
+    created(
+        stats,
+        "pay",
+        "/v1/payments",
+        charge,
+        processor_id.as_deref(),
+    )
 }
 
 async fn create_refund(
@@ -207,7 +267,7 @@ async fn create_refund(
     ChargeBody(charge): ChargeBody,
 ) -> Response {
     stats.refunds.fetch_add(1, Ordering::Relaxed);
-    created(&stats, "re", "/v1/refunds", charge)
+    created(&stats, "re", "/v1/refunds", charge, None)
 }
 
 /// A created payment or refund. A typed body, not a `json!` map: the map allocates an entry
@@ -219,9 +279,18 @@ struct Created<'a> {
     currency: &'a str,
     status: &'static str,
     created: u64,
+    /// The processor's id of the charge, where a processor charged it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    processor_id: Option<&'a str>,
 }
 
-fn created(stats: &Stats, prefix: &str, collection: &str, charge: Charge) -> Response {
+fn created(
+    stats: &Stats,
+    prefix: &str,
+    collection: &str,
+    charge: Charge,
+    processor_id: Option<&str>,
+) -> Response {
     let id = stats.next_id(prefix);
     let location = format!("{collection}/{id}");
     let body = Created {
@@ -230,6 +299,7 @@ fn created(stats: &Stats, prefix: &str, collection: &str, charge: Charge) -> Res
         currency: &charge.currency,
         status: "succeeded",
         created: now_ms() as u64,
+        processor_id,
     };
     (
         StatusCode::CREATED,

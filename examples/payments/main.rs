@@ -23,7 +23,9 @@
 //! 100000, 0 to turn off) sizes the local cache of completed records kept in front of Redis
 //! or PostgreSQL; `PAYMENTS_STATS=payments` makes
 //! `GET /v1/stats` report the payments counter alone, for load harnesses that read one
-//! number from it. `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
+//! number from it; `PAYMENTS_PROCESSOR_URL` names a processor (another instance) each
+//! payment also charges, through the crate's client, with a key derived from the
+//! payment's own (feature `client`). `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
 //! filters the logs (default `info`).
 
 mod app;
@@ -72,6 +74,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         settings.wait = Some(Duration::from_millis(millis));
     }
     settings.fail_open = std::env::var("IDEMPOTENCY_FAIL_OPEN").as_deref() == Ok("1");
+    if let Ok(url) = std::env::var("PAYMENTS_PROCESSOR_URL") {
+        #[cfg(feature = "client")]
+        {
+            settings.processor = Some(url);
+        }
+        #[cfg(not(feature = "client"))]
+        return Err(format!(
+            "PAYMENTS_PROCESSOR_URL={url} is set, but this build has no `client` feature"
+        )
+        .into());
+    }
     let store = store::from_env().await?;
     tracing::info!(?store, ?settings, "payments store");
     let (app, stats) = app::router(store, settings);
