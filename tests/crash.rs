@@ -65,6 +65,70 @@ async fn redis_long_handler_stays_protected_while_its_holder_lives() {
     assert_payments(a.api(), 1).await;
 }
 
+/// The window that only a transaction closes: a payment's ledger row commits on its own,
+/// apart from its idempotency record. Payments killed after their row and before their
+/// record leave the row, and each retry, once the lease ran out, writes another.
+#[tokio::test]
+async fn postgres_ledger_rows_written_before_a_crash_are_written_again_by_the_retry() {
+    const IN_FLIGHT: usize = 5;
+    let database = Database::create().await;
+    let lease = CRASH_LEASE_SECS.to_string();
+    let env = [
+        ("DATABASE_URL", database.url()),
+        ("PAYMENTS_LEDGER", "postgres"),
+        ("IDEMPOTENCY_LEASE_SECS", &lease),
+        ("IDEMPOTENCY_TTL_SECS", TTL_SECS),
+    ];
+    let mut a = ExampleProcess::start(&env).await;
+    let b = a.start_another().await;
+    // The row first, then five seconds before the answer: A is killed in between.
+    let charge = serde_json::json!({
+        "amount": 1999, "currency": "usd", "simulate": "slow_after", "delay_ms": 5000
+    });
+    let keys: Vec<String> = (0..IN_FLIGHT).map(|_| fresh_key()).collect();
+    let firsts: Vec<_> = keys
+        .iter()
+        .map(|key| a.api().pay_in_background(key, "carol", &charge))
+        .collect();
+    let ledger = support::store_client(database.url()).await;
+    let rows = async || -> i64 {
+        let row = ledger.query_one("SELECT count(*) FROM payments", &[]);
+        row.await.expect("the ledger").get(0)
+    };
+    eventually_within(DEADLINE, "every row written", async || {
+        (rows().await == IN_FLIGHT as i64).then_some(())
+    })
+    .await;
+    a.kill();
+    for first in firsts {
+        assert!(first.await.is_err(), "the killed process answered");
+    }
+
+    // The client retries each payment on B until A's lease ran out and B executed it.
+    let retries = keys.iter().map(|key| {
+        let (api, charge) = (b.api().clone(), charge.clone());
+        async move {
+            eventually_within(TAKEOVER_DEADLINE, "the lease to run out", async || {
+                let reply = api.pay(key, "carol", &charge).await;
+                if reply.error_code().as_deref() == Some("request_in_progress") {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    return None;
+                }
+                Some(reply)
+            })
+            .await
+        }
+    });
+    for reply in futures_util::future::join_all(retries).await {
+        reply.assert_payment(1999, "usd");
+    }
+    assert_eq!(
+        rows().await,
+        2 * IN_FLIGHT as i64,
+        "each payment in flight at the crash has two ledger rows"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // The crash, on any store.
 // ---------------------------------------------------------------------------------------

@@ -26,11 +26,19 @@ use tower_idempotency::{DerivedKeys, IdempotencyLayer, InFlight, ProblemDetails,
 mod processor;
 #[cfg(feature = "client")]
 use processor::Processor;
+#[cfg(feature = "postgres")]
+#[path = "ledger.rs"]
+pub mod ledger;
+#[cfg(feature = "postgres")]
+use ledger::Ledger;
 
-/// What the handlers share: the counters, and the processor payments are charged at.
+/// What the handlers share: the counters, the ledger payments are written to, and the
+/// processor they are charged at.
 #[derive(Clone, FromRef)]
 struct App {
     stats: Arc<Stats>,
+    #[cfg(feature = "postgres")]
+    ledger: Option<Ledger>,
     #[cfg(feature = "client")]
     processor: Option<Processor>,
 }
@@ -91,6 +99,9 @@ pub struct Settings {
     /// The base URL of a processor each payment also charges; `None`: no processor.
     #[cfg(feature = "client")]
     pub processor: Option<String>,
+    /// The ledger each payment is written to; `None`: no ledger.
+    #[cfg(feature = "postgres")]
+    pub ledger: Option<Ledger>,
 }
 
 impl Default for Settings {
@@ -104,6 +115,8 @@ impl Default for Settings {
             fail_open: false,
             #[cfg(feature = "client")]
             processor: None,
+            #[cfg(feature = "postgres")]
+            ledger: None,
         }
     }
 }
@@ -133,6 +146,8 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
     let stats = Arc::new(Stats::new(layer.in_flight()));
     let state = App {
         stats: stats.clone(),
+        #[cfg(feature = "postgres")]
+        ledger: settings.ledger.clone(),
         #[cfg(feature = "client")]
         processor: settings.processor.as_deref().map(Processor::new),
     };
@@ -209,16 +224,23 @@ async fn create_payment(
 ) -> Response {
     let stats = &app.stats;
     stats.payments.fetch_add(1, Ordering::Relaxed);
+    let id = stats.next_id("pay");
     match charge.simulate {
         Some(Simulate::Error) => {
+            // With a ledger, the row first: a failure after the payment's own writes.
+            if let Err(failed) = app.record(&id, &charge).await {
+                return failed;
+            }
             return (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 Json(json!({ "error": "internal" })),
             )
-                .into_response()
+                .into_response();
         }
         Some(Simulate::Decline) => {
-            let id = stats.next_id("pay");
+            if let Err(failed) = app.record(&id, &charge).await {
+                return failed;
+            }
             return (
                 StatusCode::PAYMENT_REQUIRED,
                 Json(json!({ "error": "card_declined", "id": id })),
@@ -229,6 +251,9 @@ async fn create_payment(
             tokio::time::sleep(Duration::from_millis(charge.delay_ms.unwrap_or(0))).await;
         }
         Some(Simulate::SlowAfter) | None => {}
+    }
+    if let Err(failed) = app.record(&id, &charge).await {
+        return failed;
     }
     #[cfg(feature = "client")]
     let processor_id = match &app.processor {
@@ -249,17 +274,28 @@ async fn create_payment(
         None => None,
     };
     #[cfg(not(feature = "client"))]
-    let (processor_id, _) = (None, (keys, headers));
+    let (processor_id, _) = (None::<String>, (keys, headers));
     if charge.simulate == Some(Simulate::SlowAfter) {
         tokio::time::sleep(Duration::from_millis(charge.delay_ms.unwrap_or(0))).await;
     }
-    created(
-        stats,
-        "pay",
-        "/v1/payments",
-        charge,
-        processor_id.as_deref(),
-    )
+    created(id, "/v1/payments", charge, processor_id.as_deref())
+}
+
+impl App {
+    /// Writes payment `id` to the ledger, if there is one; a failure is the answer.
+    async fn record(&self, id: &str, charge: &Charge) -> Result<(), Response> {
+        #[cfg(feature = "postgres")]
+        if let Some(ledger) = &self.ledger {
+            if let Err(error) = ledger.record(id, charge.amount, &charge.currency).await {
+                tracing::error!(%error, "could not write the payment to the ledger");
+                let body = Json(json!({ "error": "ledger_unavailable" }));
+                return Err((StatusCode::INTERNAL_SERVER_ERROR, body).into_response());
+            }
+        }
+        #[cfg(not(feature = "postgres"))]
+        let _ = (id, charge);
+        Ok(())
+    }
 }
 
 async fn create_refund(
@@ -267,7 +303,7 @@ async fn create_refund(
     ChargeBody(charge): ChargeBody,
 ) -> Response {
     stats.refunds.fetch_add(1, Ordering::Relaxed);
-    created(&stats, "re", "/v1/refunds", charge, None)
+    created(stats.next_id("re"), "/v1/refunds", charge, None)
 }
 
 /// A created payment or refund. A typed body, not a `json!` map: the map allocates an entry
@@ -284,14 +320,7 @@ struct Created<'a> {
     processor_id: Option<&'a str>,
 }
 
-fn created(
-    stats: &Stats,
-    prefix: &str,
-    collection: &str,
-    charge: Charge,
-    processor_id: Option<&str>,
-) -> Response {
-    let id = stats.next_id(prefix);
+fn created(id: String, collection: &str, charge: Charge, processor_id: Option<&str>) -> Response {
     let location = format!("{collection}/{id}");
     let body = Created {
         id: &id,

@@ -25,7 +25,8 @@
 //! `GET /v1/stats` report the payments counter alone, for load harnesses that read one
 //! number from it; `PAYMENTS_PROCESSOR_URL` names a processor (another instance) each
 //! payment also charges, through the crate's client, with a key derived from the
-//! payment's own (feature `client`). `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
+//! payment's own (feature `client`); `PAYMENTS_LEDGER=postgres` writes each payment to
+//! table `payments` in the `DATABASE_URL` database (feature `postgres`). `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
 //! filters the logs (default `info`).
 
 mod app;
@@ -74,6 +75,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         settings.wait = Some(Duration::from_millis(millis));
     }
     settings.fail_open = std::env::var("IDEMPOTENCY_FAIL_OPEN").as_deref() == Ok("1");
+    if let Ok(ledger) = std::env::var("PAYMENTS_LEDGER") {
+        if ledger != "postgres" {
+            return Err(format!("PAYMENTS_LEDGER={ledger}: only postgres is known").into());
+        }
+        let url = std::env::var("DATABASE_URL")
+            .map_err(|_| "PAYMENTS_LEDGER=postgres needs DATABASE_URL")?;
+        #[cfg(feature = "postgres")]
+        {
+            settings.ledger = Some(app::ledger::Ledger::connect(&url).await?);
+        }
+        #[cfg(not(feature = "postgres"))]
+        return Err(format!(
+            "PAYMENTS_LEDGER is set (DATABASE_URL={url}), but this build has no `postgres` feature"
+        )
+        .into());
+    }
     if let Ok(url) = std::env::var("PAYMENTS_PROCESSOR_URL") {
         #[cfg(feature = "client")]
         {

@@ -1,0 +1,51 @@
+//! The example's ledger (`PAYMENTS_LEDGER=postgres`): a row of table `payments` for every
+//! payment it executes, in the database `DATABASE_URL` names. Without the transactional
+//! mode each insert commits on its own, apart from the idempotency record: a process that
+//! dies between the two leaves the row, and the retry adds another.
+
+use tower_idempotency::deadpool_postgres::tokio_postgres::{Config, NoTls};
+use tower_idempotency::deadpool_postgres::{Manager, Pool, Runtime};
+
+/// The table, created at start when missing.
+const CREATE: &str = "CREATE TABLE IF NOT EXISTS payments (
+    id         TEXT        PRIMARY KEY,
+    amount     BIGINT      NOT NULL,
+    currency   TEXT        NOT NULL,
+    created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+)";
+
+/// Rows of `payments`, one per executed payment.
+#[derive(Clone)]
+pub struct Ledger {
+    pool: Pool,
+}
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger").finish_non_exhaustive()
+    }
+}
+
+impl Ledger {
+    /// The ledger in the database at `url`, its table created if missing.
+    pub async fn connect(url: &str) -> Result<Self, Box<dyn std::error::Error>> {
+        let config: Config = url.parse()?;
+        let pool = Pool::builder(Manager::new(config, NoTls))
+            .max_size(16)
+            .runtime(Runtime::Tokio1)
+            .build()?;
+        pool.get().await?.batch_execute(CREATE).await?;
+        Ok(Self { pool })
+    }
+
+    /// Records payment `id`, committed at once.
+    pub async fn record(&self, id: &str, amount: i64, currency: &str) -> Result<(), String> {
+        let client = self.pool.get().await.map_err(|error| error.to_string())?;
+        let insert = "INSERT INTO payments (id, amount, currency) VALUES ($1, $2, $3)";
+        client
+            .execute(insert, &[&id, &amount, &currency])
+            .await
+            .map_err(|error| error.to_string())?;
+        Ok(())
+    }
+}
