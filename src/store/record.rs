@@ -248,6 +248,11 @@ pub(crate) fn take_headers_and_trailers(
     bytes: &mut Bytes,
 ) -> Result<(HeaderMap, Option<HeaderMap>), DecodeError> {
     let headers = take_headers(bytes)?;
+    // Most responses have none: read the count first, so that they allocate no map.
+    if bytes.starts_with(&[0; 4]) {
+        bytes.advance(4);
+        return Ok((headers, None));
+    }
     let trailers = take_headers(bytes)?;
     Ok((headers, (!trailers.is_empty()).then_some(trailers)))
 }
