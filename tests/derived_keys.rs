@@ -103,7 +103,8 @@ async fn one_payment(keying: Keying) -> (usize, Vec<String>, (StatusCode, String
         .route_layer(
             IdempotencyLayer::new(MemoryStore::new())
                 .required()
-                .allow_anonymous(),
+                .allow_anonymous()
+                .derive_keys(),
         )
         .with_state(gateway.clone());
     let mut last = None;
@@ -143,7 +144,8 @@ async fn any_service_finds_the_keys_in_its_request_and_an_unkeyed_request_has_no
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(body))))
     });
     let layer = IdempotencyLayer::new(MemoryStore::new()).allow_anonymous();
-    let service = layer.layer(seen);
+    let service = layer.clone().derive_keys().layer(seen);
+    let not_deriving = layer.layer(seen);
     let call = |key: Option<&'static str>, body: &'static str| {
         let service = service.clone();
         async move {
@@ -164,9 +166,20 @@ async fn any_service_finds_the_keys_in_its_request_and_an_unkeyed_request_has_no
         "another key, another scope"
     );
     assert_eq!(call(None, "a").await, "none");
+    // A layer that does not derive keys hands on none: its executions pay nothing for them.
+    let request = Request::post("/v1/orders")
+        .header("idempotency-key", "k3")
+        .body(Full::new(Bytes::from("a")))
+        .unwrap();
+    let response = not_deriving.oneshot(request).await.unwrap();
+    assert_eq!(
+        response.into_body().collect().await.unwrap().to_bytes(),
+        "none"
+    );
     // On another instance (another layer on another store), the same scope derives the same.
     let elsewhere = IdempotencyLayer::new(MemoryStore::new())
         .allow_anonymous()
+        .derive_keys()
         .layer(service_fn(|request: Request<Full<Bytes>>| async move {
             let keys = request.extensions().get::<DerivedKeys>().unwrap();
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(
@@ -191,7 +204,11 @@ async fn the_extractor_answers_500_where_no_key_was_claimed() {
             "/v1/orders",
             post(|keys: DerivedKeys| async move { keys.key("x") }),
         )
-        .route_layer(IdempotencyLayer::new(MemoryStore::new()).allow_anonymous());
+        .route_layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .allow_anonymous()
+                .derive_keys(),
+        );
     let unkeyed = Request::post("/v1/orders").body(Body::empty()).unwrap();
     let response = app.clone().oneshot(unkeyed).await.unwrap();
     assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);

@@ -143,6 +143,11 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
     if settings.fail_open {
         layer = layer.fail_open();
     }
+    // The processor's charges are keyed by the payment's derived keys.
+    #[cfg(feature = "client")]
+    if settings.processor.is_some() {
+        layer = layer.derive_keys();
+    }
     let stats = Arc::new(Stats::new(layer.in_flight()));
     let state = App {
         stats: stats.clone(),
@@ -218,7 +223,7 @@ enum Simulate {
 
 async fn create_payment(
     State(app): State<App>,
-    keys: DerivedKeys,
+    keys: Option<DerivedKeys>,
     headers: HeaderMap,
     ChargeBody(charge): ChargeBody,
 ) -> Response {
@@ -258,6 +263,7 @@ async fn create_payment(
     #[cfg(feature = "client")]
     let processor_id = match &app.processor {
         Some(processor) => {
+            let keys = keys.expect("the layer derives keys wherever a processor is set");
             let authorization = headers.get(header::AUTHORIZATION);
             let charged = processor
                 .charge(&keys, authorization, charge.amount, &charge.currency)

@@ -45,6 +45,8 @@ pub(crate) struct Config {
     pub(crate) render_rejections: Option<Arc<dyn RenderRejection>>,
     pub(crate) span_key: SpanField,
     pub(crate) span_principal: SpanField,
+    /// Whether executed requests carry their [`DerivedKeys`](crate::DerivedKeys).
+    pub(crate) derive_keys: bool,
 }
 
 impl Default for Config {
@@ -70,6 +72,7 @@ impl Default for Config {
             max_waiting: DEFAULT_MAX_WAITING,
             span_key: SpanField::default(),
             span_principal: SpanField::default(),
+            derive_keys: false,
         }
     }
 }
@@ -92,6 +95,7 @@ impl fmt::Debug for Config {
             .field("custom_rejections", &self.render_rejections.is_some())
             .field("wait", &self.wait)
             .field("max_waiting", &self.max_waiting)
+            .field("derive_keys", &self.derive_keys)
             .finish_non_exhaustive()
     }
 }

@@ -11,8 +11,9 @@ use sha2::{Digest, Sha256};
 use super::scope::Scope;
 
 /// What derives the downstream keys of one keyed request: in the request extensions of
-/// every keyed request the layer hands to its inner service (an axum handler takes it as
-/// an extractor).
+/// every request that executes behind a layer that
+/// [derives keys](crate::IdempotencyLayer::derive_keys) (an axum handler takes it as an
+/// extractor).
 ///
 /// A key from [`key`](Self::key) is the same for every retry of the request, on every
 /// instance (it depends only on the request's scope, principal, endpoint and key, and the
@@ -36,7 +37,7 @@ use super::scope::Scope;
 ///
 /// let app: Router = Router::new()
 ///     .route("/v1/payments", post(charge))
-///     .route_layer(IdempotencyLayer::new(MemoryStore::new()).allow_anonymous());
+///     .route_layer(IdempotencyLayer::new(MemoryStore::new()).allow_anonymous().derive_keys());
 /// ```
 #[derive(Clone)]
 pub struct DerivedKeys {
@@ -96,9 +97,11 @@ impl fmt::Debug for DerivedKeys {
     }
 }
 
-/// A handler behind the layer takes the request's derived keys; one the layer did not
-/// key (no `Idempotency-Key` on an optional route, a method it lets through) is answered
-/// `500`, as a handler mounted where it should not be.
+/// A handler behind the layer takes the request's derived keys; a request without them (a
+/// layer that does not [derive keys](crate::IdempotencyLayer::derive_keys), no
+/// `Idempotency-Key` on an optional route, a method the layer lets through) is answered
+/// `500`, as a handler mounted where it should not be. Take `Option<DerivedKeys>` where
+/// they may be missing.
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 impl<S: Send + Sync> axum::extract::FromRequestParts<S> for DerivedKeys {
@@ -107,8 +110,23 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for DerivedKeys {
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         parts.extensions.get::<Self>().cloned().ok_or((
             http::StatusCode::INTERNAL_SERVER_ERROR,
-            "no derived keys: the request did not pass through an IdempotencyLayer with a key",
+            "no derived keys: the request did not execute behind an IdempotencyLayer with \
+             derive_keys() and a key",
         ))
+    }
+}
+
+/// `None` where the request carries no derived keys.
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for DerivedKeys {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<Self>().cloned())
     }
 }
 

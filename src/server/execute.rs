@@ -144,7 +144,9 @@ where
                     "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
                 );
                 answered(RequestOutcome::FailOpen);
-                parts.extensions.insert(DerivedKeys::of(&scope));
+                if config.derive_keys {
+                    parts.extensions.insert(DerivedKeys::of(&scope));
+                }
                 let request = Request::from_parts(parts, ReqBody::rebuilt(body));
                 // Boxed: kept in place, this rare path's future would make every request's
                 // future larger.
@@ -167,7 +169,9 @@ where
         // trip earlier, which only lets a write be retried a little past it, where the
         // fence refuses it anyway.
         let protocol = protocol();
-        parts.extensions.insert(DerivedKeys::of(&scope));
+        if config.derive_keys {
+            parts.extensions.insert(DerivedKeys::of(&scope));
+        }
         let lease = Lease::new(shared, scope, token, Instant::now());
         // Rebuilt only here: a replay or a rejection never needs the request again.
         let request = Request::from_parts(parts, ReqBody::rebuilt(body));

@@ -513,6 +513,23 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Hand each request that executes its [`DerivedKeys`](crate::DerivedKeys), in its
+    /// extensions (an axum handler takes them as an extractor): keys for the handler's calls
+    /// to other services that honour `Idempotency-Key`, the same on every retry of the
+    /// request, so that a retry after a crash is a replay there rather than a second
+    /// charge. Off by default: each execution then pays nothing for them.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).derive_keys();
+    /// ```
+    pub fn derive_keys(mut self) -> Self {
+        self.config.derive_keys = true;
+        self
+    }
+
     /// Render the layer's rejections of HTTP requests (a missing key, a key in progress,
     /// ...) as the application's API renders its errors, or as the IETF draft does with
     /// [`ProblemDetails`](crate::ProblemDetails). gRPC requests keep getting gRPC statuses.
