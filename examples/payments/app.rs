@@ -216,7 +216,8 @@ enum Simulate {
     Decline,
     Error,
     Slow,
-    /// The payment's work first (the processor's charge), then `delay_ms` of sleep.
+    /// The payment's work first (its ledger row, the processor's charge), then `delay_ms`
+    /// of sleep.
     #[serde(rename = "slow_after")]
     SlowAfter,
 }

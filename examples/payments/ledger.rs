@@ -14,6 +14,9 @@ const CREATE: &str = "CREATE TABLE IF NOT EXISTS payments (
     created_at TIMESTAMPTZ NOT NULL DEFAULT now()
 )";
 
+/// The advisory lock the instances creating the table take turns on.
+const CREATE_LOCK: i64 = 0x7061_796d_656e_7473; // "payments"
+
 /// Rows of `payments`, one per executed payment.
 #[derive(Clone)]
 pub struct Ledger {
@@ -34,7 +37,17 @@ impl Ledger {
             .max_size(16)
             .runtime(Runtime::Tokio1)
             .build()?;
-        pool.get().await?.batch_execute(CREATE).await?;
+        // Instances starting together take turns: two `CREATE TABLE IF NOT EXISTS` at once
+        // can both try to create the table's type, and one fails.
+        let mut client = pool.get().await?;
+        let creating = client.transaction().await?;
+        creating
+            .batch_execute(&format!(
+                "SELECT pg_advisory_xact_lock({CREATE_LOCK}); {CREATE}"
+            ))
+            .await?;
+        creating.commit().await?;
+        drop(client);
         Ok(Self { pool })
     }
 

@@ -75,6 +75,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         settings.wait = Some(Duration::from_millis(millis));
     }
     settings.fail_open = std::env::var("IDEMPOTENCY_FAIL_OPEN").as_deref() == Ok("1");
+    if std::env::var_os("IDEMPOTENCY_TRANSACTIONAL").is_some() {
+        // Refused rather than ignored: a ledger row committed apart from its record can be
+        // written twice, which is what this setting is asked for to prevent.
+        return Err(
+            "IDEMPOTENCY_TRANSACTIONAL: the transactional PostgreSQL mode is not \
+                    built yet"
+                .into(),
+        );
+    }
     if let Ok(ledger) = std::env::var("PAYMENTS_LEDGER") {
         if ledger != "postgres" {
             return Err(format!("PAYMENTS_LEDGER={ledger}: only postgres is known").into());

@@ -56,12 +56,13 @@ impl Processor {
             let headers = request.headers_mut();
             headers.insert(header::AUTHORIZATION, authorization.clone());
         }
+        // The failure alone: the client's error also names the key, kept out of the logs.
         let response = self
             .client
             .clone()
             .oneshot(request)
             .await
-            .map_err(|error| error.to_string())?;
+            .map_err(|error| error.failure().to_string())?;
         let status = response.status();
         let body = response.into_body().collect().await;
         let body = body.map_err(|error| error.to_string())?.to_bytes();

@@ -26,13 +26,17 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             records => Arc::new(CachedStore::from_shared(store, records)),
         }
     };
+    // With a ledger, the records go to the ledger's database, whatever else is set.
+    let ledger = std::env::var_os("PAYMENTS_LEDGER").is_some();
     #[cfg(feature = "redis")]
-    if let Some(redis) = redis_store().await? {
-        return Ok(shared(Arc::new(redis)));
+    if !ledger {
+        if let Some(redis) = redis_store().await? {
+            return Ok(shared(Arc::new(redis)));
+        }
     }
     #[cfg(not(feature = "redis"))]
     for name in ["REDIS_URL", "REDIS_CLUSTER_URLS", "REDIS_SENTINEL_URLS"] {
-        if std::env::var(name).is_ok() {
+        if !ledger && std::env::var(name).is_ok() {
             return Err(format!("{name} is set, but this build has no `redis` feature").into());
         }
     }

@@ -165,13 +165,13 @@ where
                 return reject(Reason::StoreUnavailable);
             }
         }
-        // Read once claimed, so that a replay pays nothing for it: the lease began a round
-        // trip earlier, which only lets a write be retried a little past it, where the
-        // fence refuses it anyway.
         let protocol = protocol();
         if config.derive_keys {
             parts.extensions.insert(DerivedKeys::of(&scope));
         }
+        // The clock read once claimed, so that a replay pays nothing for it: the lease
+        // began a round trip earlier, which only lets a write be retried a little past it,
+        // where the fence refuses it anyway.
         let lease = Lease::new(shared, scope, token, Instant::now());
         // Rebuilt only here: a replay or a rejection never needs the request again.
         let request = Request::from_parts(parts, ReqBody::rebuilt(body));

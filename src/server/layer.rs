@@ -26,9 +26,9 @@ use crate::store::Store;
 ///
 /// Cloning is cheap. A clone is the same layer, whatever settings it goes on to change:
 /// it shares the store, the executions in flight ([`in_flight`](Self::in_flight)) and the
-/// cap on waiting requests ([`max_waiting`](Self::max_waiting)) with the layer it came
-/// from. A layer made with [`new`](Self::new) or [`from_shared`](Self::from_shared) has
-/// its own.
+/// count of waiting requests ([`waiting`](Self::waiting), which each clone's
+/// [`max_waiting`](Self::max_waiting) caps) with the layer it came from. A layer made with
+/// [`new`](Self::new) or [`from_shared`](Self::from_shared) has its own.
 ///
 /// # Example
 ///

@@ -4,7 +4,7 @@
 //!
 //! | step | file |
 //! |---|---|
-//! | the layer and its settings | `layer.rs` (builder), `config.rs` (settings), `state.rs` (the store, settings and live state its services and clones share) |
+//! | the layer and its settings | `layer.rs` (builder), `config.rs` (settings), `state.rs` (the live state its clones share; store, settings and state, shared by its services) |
 //! | requests let through or refused before their body is read | `service.rs` (its future: `future.rs`) |
 //! | the story of one keyed request | `execute.rs` |
 //! | reading the request body, and the body handed to the inner service | `request_body.rs` |

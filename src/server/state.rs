@@ -17,8 +17,9 @@ pub(crate) struct Shared {
 
 /// Made once per [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) (or
 /// `from_shared`) and shared, by choice, by every clone of that layer, whatever settings the
-/// clone changes, and by every service they make: one waiting cap and one set of
-/// executions for a graceful shutdown to wait for. A layer built on its own has its own.
+/// clone changes, and by every service they make: one count of waiting requests (each
+/// clone's `max_waiting` caps it) and one set of executions for a graceful shutdown to wait
+/// for. A layer built on its own has its own.
 #[derive(Clone, Debug)]
 pub(crate) struct State {
     pub(crate) waiters: Waiters,

@@ -634,7 +634,7 @@ impl Migration {
     request_hash     BYTEA       NOT NULL,  -- SHA-256 request fingerprint
     status           TEXT        NOT NULL CHECK (status IN ('in_progress', 'completed')),
     status_code      SMALLINT,
-    response_headers BYTEA,                 -- versioned binary encoding, order kept
+    response_headers BYTEA,                 -- headers, then trailers: binary, order kept
     response_body    BYTEA,
     claim_token      BYTEA       NOT NULL,
     locked_until     TIMESTAMPTZ,           -- the in-progress lease
@@ -1051,12 +1051,13 @@ mod tests {
                 "public_idempotency_keys_resource_id",
             ]
         );
-        // One byte too long for the longest suffix: every name is hashed, none cut.
+        // The longest suffix still fits whole...
         let (schema, table) = ("s".repeat(30), "t".repeat(20));
         assert_eq!(
             index_names(&schema, &table)[2],
             format!("{schema}_{table}_resource_id")
         );
+        // ...and one byte more hashes every name, cutting none.
         let table = "t".repeat(21);
         let names = index_names(&schema, &table);
         assert!(!names[2].starts_with(&format!("{schema}_{table}")));
