@@ -45,8 +45,12 @@ pub enum Failure<E> {
     /// The body of an answer the client reads to classify it (a `409`) failed.
     Body(BoxError),
     /// The request's body cannot be sent twice, so the client sent nothing. Only
-    /// [`IdempotentMiddleware`](crate::client::IdempotentMiddleware) meets it: the Tower
-    /// layer takes only bodies that can be cloned.
+    #[cfg_attr(
+        feature = "reqwest",
+        doc = "[`IdempotentMiddleware`](crate::client::IdempotentMiddleware)"
+    )]
+    #[cfg_attr(not(feature = "reqwest"), doc = "`IdempotentMiddleware`")]
+    /// meets it: the Tower layer takes only bodies that can be cloned.
     BodyNotReplayable,
 }
 

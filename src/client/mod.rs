@@ -8,7 +8,14 @@
 //! - [`IdempotentClientLayer`] wraps any Tower HTTP client service, such as hyper-util's
 //!   `Client`: its [`IdempotentClient`] handles calls of the configured methods (default
 //!   `POST` and `PATCH`).
-//! - [`IdempotentMiddleware`] (feature `reqwest`) does the same for `reqwest` through
+#![cfg_attr(
+    feature = "reqwest",
+    doc = "- [`IdempotentMiddleware`] (feature `reqwest`) does the same for `reqwest` through"
+)]
+#![cfg_attr(
+    not(feature = "reqwest"),
+    doc = "- `IdempotentMiddleware` (feature `reqwest`) does the same for `reqwest` through"
+)]
 //!   `reqwest-middleware`.
 //!
 //! A request without a key gets one (a UUID v4) before its first attempt; a request that
