@@ -45,6 +45,7 @@ pub(crate) struct Config {
     pub(crate) render_rejections: Option<Arc<dyn RenderRejection>>,
     pub(crate) span_key: SpanField,
     pub(crate) span_principal: SpanField,
+    pub(crate) span_level: tracing::Level,
     /// Whether executed requests carry their [`DerivedKeys`](crate::DerivedKeys).
     pub(crate) derive_keys: bool,
 }
@@ -72,6 +73,7 @@ impl Default for Config {
             max_waiting: DEFAULT_MAX_WAITING,
             span_key: SpanField::default(),
             span_principal: SpanField::default(),
+            span_level: tracing::Level::DEBUG,
             derive_keys: false,
         }
     }

@@ -109,6 +109,24 @@ impl IdempotencyLayer {
         self
     }
 
+    /// The level of each keyed request's `idempotency` span (endpoint, key, principal and
+    /// outcome; the store calls and outcomes logged inside it). Default: `DEBUG`, as
+    /// tower-http's `TraceLayer` makes its spans: at a production level of `info` nobody
+    /// pays for a span per request. `INFO` puts it in production logs, around the `info`
+    /// lines of a client's mistakes and everything more severe, which otherwise carry their
+    /// outcome but not the key's scope.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).span_level(tracing::Level::INFO);
+    /// ```
+    pub fn span_level(mut self, level: tracing::Level) -> Self {
+        self.config.span_level = level;
+        self
+    }
+
     /// How many requests of this layer (every clone, every service it made) wait for their
     /// originals now (see [`wait_for_original`](Self::wait_for_original)).
     pub fn waiting(&self) -> usize {

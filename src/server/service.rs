@@ -105,7 +105,7 @@ where
         }
         let keyed = execute::keyed(inner, shared.clone(), (principal, key), (parts, body));
         // A span no subscriber records is left out: entering it on every poll costs.
-        let span = telemetry::request_span();
+        let span = telemetry::request_span(config.span_level);
         if span.is_disabled() {
             ResponseFuture::keyed(Box::pin(keyed))
         } else {

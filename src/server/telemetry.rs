@@ -13,7 +13,7 @@ use std::{
 
 use metrics::{Counter, Gauge, Histogram};
 use sha2::{Digest, Sha256};
-use tracing::Span;
+use tracing::{Level, Span};
 
 use crate::store::{self, Claim, Fenced};
 
@@ -309,16 +309,29 @@ impl SpanField {
     }
 }
 
-/// The span of a keyed request, before its scope is known: `idempotency`, at `info`, with
+/// The span of a keyed request, before its scope is known: `idempotency`, at `level`, with
 /// its endpoint, key, principal and outcome filled in as they become known.
-pub(crate) fn request_span() -> Span {
-    tracing::info_span!(
-        "idempotency",
-        endpoint = tracing::field::Empty,
-        key = tracing::field::Empty,
-        principal = tracing::field::Empty,
-        outcome = tracing::field::Empty,
-    )
+pub(crate) fn request_span(level: Level) -> Span {
+    // `span!` takes its level as a constant: one call per level.
+    macro_rules! request_span {
+        ($level:expr) => {
+            tracing::span!(
+                $level,
+                "idempotency",
+                endpoint = tracing::field::Empty,
+                key = tracing::field::Empty,
+                principal = tracing::field::Empty,
+                outcome = tracing::field::Empty,
+            )
+        };
+    }
+    match level {
+        Level::TRACE => request_span!(Level::TRACE),
+        Level::DEBUG => request_span!(Level::DEBUG),
+        Level::INFO => request_span!(Level::INFO),
+        Level::WARN => request_span!(Level::WARN),
+        Level::ERROR => request_span!(Level::ERROR),
+    }
 }
 
 /// Names the request's scope on its span, as configured: digests are made only for a span
@@ -398,6 +411,33 @@ mod tests {
         labels.sort();
         labels.dedup();
         assert_eq!(labels.len(), RequestOutcome::ALL.len());
+    }
+
+    #[test]
+    fn the_request_span_is_made_at_the_level_asked() {
+        let subscriber = tracing_subscriber::registry();
+        tracing::subscriber::with_default(subscriber, || {
+            for level in [
+                Level::TRACE,
+                Level::DEBUG,
+                Level::INFO,
+                Level::WARN,
+                Level::ERROR,
+            ] {
+                let span = request_span(level);
+                assert_eq!(span.metadata().map(|m| *m.level()), Some(level));
+                assert_eq!(span.metadata().map(|m| m.name()), Some("idempotency"));
+            }
+        });
+        // At `info`, the default `debug` span is no span at all: nothing to pay for.
+        let info = tracing_subscriber::fmt()
+            .with_max_level(Level::INFO)
+            .with_writer(std::io::sink)
+            .finish();
+        tracing::subscriber::with_default(info, || {
+            assert!(request_span(Level::DEBUG).is_disabled());
+            assert!(!request_span(Level::INFO).is_disabled());
+        });
     }
 
     #[test]
