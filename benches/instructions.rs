@@ -11,7 +11,9 @@
 //! requests as duplicates of one original held at its handler, all waiting for it
 //! (`wait_for_original`), then lets the original finish: the cost of one waiter, from its
 //! claim to its replay. With `INSTRUCTIONS_RECORDER=prometheus` the layer's metrics go to a
-//! Prometheus recorder (none otherwise).
+//! Prometheus recorder (none otherwise); with `INSTRUCTIONS_SUBSCRIBER=info`, its logs to a
+//! fmt subscriber at that level (none otherwise): both, as the gate counts them
+//! (`scripts/instructions-gate.sh`), are the configuration that ships.
 
 mod support;
 
@@ -44,6 +46,14 @@ fn main() {
         metrics_exporter_prometheus::PrometheusBuilder::new()
             .install_recorder()
             .expect("a Prometheus recorder");
+    }
+    // `INSTRUCTIONS_SUBSCRIBER=<filter>`: a fmt subscriber with that filter (`info` is the
+    // payments example's default), writing nowhere, as a service logs at a production level.
+    if let Ok(filter) = std::env::var("INSTRUCTIONS_SUBSCRIBER") {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::sink)
+            .init();
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
