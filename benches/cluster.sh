@@ -56,7 +56,7 @@ SH
 chmod +x "$work/flush-all" "$work/redis-all"
 export FLUSH_CMD="$work/flush-all" REDIS_CLI="$work/redis-all"
 
-base="env PAYMENTS_STATS=payments RUST_LOG=warn"
+base="env -u RUST_LOG PAYMENTS_STATS=payments"
 runs=(
   "ours_single_nocache=$base IDEMPOTENCY_CACHE_RECORDS=0 REDIS_URL=$REDIS_URL $payments_bin"
   "ours_cluster_nocache=$base IDEMPOTENCY_CACHE_RECORDS=0 REDIS_CLUSTER_URLS=$cluster_urls $payments_bin"
@@ -81,7 +81,7 @@ fi
 "$work/flush-all"
 for p in "${masters[@]}"; do redis-cli -p "$p" config resetstat >/dev/null; done
 spread_addr=127.0.0.1:3999
-env PAYMENTS_ADDR=$spread_addr PAYMENTS_STATS=payments IDEMPOTENCY_CACHE_RECORDS=0 RUST_LOG=warn \
+env -u RUST_LOG PAYMENTS_ADDR=$spread_addr PAYMENTS_STATS=payments IDEMPOTENCY_CACHE_RECORDS=0 \
   REDIS_CLUSTER_URLS="$cluster_urls" "$payments_bin" &
 server=$!
 cleanup+=("kill $server 2>/dev/null")

@@ -1,7 +1,8 @@
 # Sourced by the HTTP benchmark scripts: builds the `payments` example (release) and the
 # shared harness's peers under $work, and starts a Redis of their own on $port so that
 # nothing else is flushed. Leaves $root, $harness, $work, $port, $peers_bin, $payments_bin,
-# $REDIS_URL and `ours`: our three configurations as harness entries (`name=command`).
+# $REDIS_URL and `ours`: our three configurations as harness entries (`name=command`), each
+# as a user runs the example: `RUST_LOG` unset (its default, `info`), the recorder installed.
 # With BASELINE=<git revision>, the example is also built from that revision and each
 # configuration gets a `base_` twin right after it, so an A/B runs interleaved in one session.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -36,9 +37,9 @@ for _ in $(seq 50); do redis-cli -p "$port" ping 2>/dev/null | grep -q PONG && b
 
 export REDIS_URL="redis://127.0.0.1:$port/"
 ours=(
-  "ours_redis=env PAYMENTS_STATS=payments RUST_LOG=warn REDIS_URL=$REDIS_URL $payments_bin"
-  "ours_redis_nocache=env PAYMENTS_STATS=payments RUST_LOG=warn IDEMPOTENCY_CACHE_RECORDS=0 REDIS_URL=$REDIS_URL $payments_bin"
-  "ours_memory=env -u REDIS_URL -u DATABASE_URL PAYMENTS_STATS=payments RUST_LOG=warn $payments_bin"
+  "ours_redis=env -u RUST_LOG PAYMENTS_STATS=payments REDIS_URL=$REDIS_URL $payments_bin"
+  "ours_redis_nocache=env -u RUST_LOG PAYMENTS_STATS=payments IDEMPOTENCY_CACHE_RECORDS=0 REDIS_URL=$REDIS_URL $payments_bin"
+  "ours_memory=env -u REDIS_URL -u DATABASE_URL -u RUST_LOG PAYMENTS_STATS=payments $payments_bin"
 )
 if [ -n "${BASELINE:-}" ]; then
   paired=()
