@@ -10,8 +10,8 @@ use std::{
 };
 
 use axum::{
-    extract::{FromRef, FromRequest, Request, State},
-    http::{header, request::Parts, HeaderMap, StatusCode},
+    extract::{FromRef, FromRequest, FromRequestParts, Request, State},
+    http::{header, request::Parts, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post},
     Form, Json, Router,
@@ -182,6 +182,19 @@ struct Charge {
     delay_ms: Option<u64>,
 }
 
+/// The request's `Authorization`, which a processor's charge carries on: the one header,
+/// not a copy of the whole map (`HeaderMap` as an extractor clones every header, on every
+/// payment).
+struct Authorization(Option<HeaderValue>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Authorization {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self(parts.headers.get(header::AUTHORIZATION).cloned()))
+    }
+}
+
 /// A charge as JSON (the default) or, as Stripe's API takes it, as
 /// `application/x-www-form-urlencoded` (`amount=1999&currency=usd`).
 struct ChargeBody(Charge);
@@ -225,7 +238,7 @@ enum Simulate {
 async fn create_payment(
     State(app): State<App>,
     keys: Option<DerivedKeys>,
-    headers: HeaderMap,
+    Authorization(authorization): Authorization,
     ChargeBody(charge): ChargeBody,
 ) -> Response {
     let stats = &app.stats;
@@ -265,9 +278,13 @@ async fn create_payment(
     let processor_id = match &app.processor {
         Some(processor) => {
             let keys = keys.expect("the layer derives keys wherever a processor is set");
-            let authorization = headers.get(header::AUTHORIZATION);
             let charged = processor
-                .charge(&keys, authorization, charge.amount, &charge.currency)
+                .charge(
+                    &keys,
+                    authorization.as_ref(),
+                    charge.amount,
+                    &charge.currency,
+                )
                 .await;
             match charged {
                 Ok(id) => Some(id),
@@ -281,7 +298,7 @@ async fn create_payment(
         None => None,
     };
     #[cfg(not(feature = "client"))]
-    let (processor_id, _) = (None::<String>, (keys, headers));
+    let (processor_id, _) = (None::<String>, (keys, authorization));
     if charge.simulate == Some(Simulate::SlowAfter) {
         tokio::time::sleep(Duration::from_millis(charge.delay_ms.unwrap_or(0))).await;
     }
