@@ -247,14 +247,10 @@ pub(crate) fn put_headers_and_trailers(out: &mut BytesMut, response: &StoredResp
 pub(crate) fn take_headers_and_trailers(
     bytes: &mut Bytes,
 ) -> Result<(HeaderMap, Option<HeaderMap>), DecodeError> {
-    let headers = take_headers(bytes)?;
-    // Most responses have none: read the count first, so that they allocate no map.
-    if bytes.starts_with(&[0; 4]) {
-        bytes.advance(4);
-        return Ok((headers, None));
-    }
-    let trailers = take_headers(bytes)?;
-    Ok((headers, (!trailers.is_empty()).then_some(trailers)))
+    // Room for one more header: a replay adds its marker without growing the map.
+    let headers = take_headers(bytes, 1)?.unwrap_or_else(|| HeaderMap::with_capacity(1));
+    let trailers = take_headers(bytes, 0)?;
+    Ok((headers, trailers))
 }
 
 /// Writes `header count u32, (name len u32, name, value len u32, value)*`, keeping order
@@ -267,16 +263,19 @@ fn put_headers(out: &mut BytesMut, headers: &HeaderMap) {
     }
 }
 
-/// Reads what [`put_headers`] wrote.
-fn take_headers(bytes: &mut Bytes) -> Result<HeaderMap, DecodeError> {
+/// Reads what [`put_headers`] wrote into a map with room for `room` more; `None` for an
+/// empty set, which makes no map at all (most responses have no trailers).
+fn take_headers(bytes: &mut Bytes, room: usize) -> Result<Option<HeaderMap>, DecodeError> {
     let count = u32::from_be_bytes(take_array(bytes)?) as usize;
+    if count == 0 {
+        return Ok(None);
+    }
     // Each header takes at least 8 bytes: a count larger than that is corrupt, and must
     // not size an allocation.
     if count > bytes.len() / 8 {
         return Err(DecodeError("header count exceeds record"));
     }
-    // One more than stored: a replay adds its marker without growing the map.
-    let mut headers = HeaderMap::with_capacity(count + 1);
+    let mut headers = HeaderMap::with_capacity(count + room);
     for _ in 0..count {
         let name = HeaderName::from_bytes(&take_bytes(bytes)?)
             .map_err(|_| DecodeError("invalid header name"))?;
@@ -284,7 +283,7 @@ fn take_headers(bytes: &mut Bytes) -> Result<HeaderMap, DecodeError> {
             .map_err(|_| DecodeError("invalid header value"))?;
         headers.append(name, value);
     }
-    Ok(headers)
+    Ok(Some(headers))
 }
 
 fn put_bytes(out: &mut BytesMut, bytes: &[u8]) {
