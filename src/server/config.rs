@@ -3,13 +3,15 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
-use http::{HeaderName, Method};
+use http::{request::Parts, HeaderName, Method, Response};
 
 use super::{
+    body::ResponseBody,
+    grpc::Protocol,
     principal::{BoxedPrincipal, DefaultPrincipal},
-    rejection::RenderRejection,
+    rejection::{Reason, Rejection, RenderRejection},
     release::ReleasePolicy,
-    scope::Endpoint,
+    scope::{self, Endpoint},
     telemetry::SpanField,
 };
 
@@ -76,6 +78,25 @@ impl Default for Config {
             span_level: tracing::Level::DEBUG,
             derive_keys: false,
         }
+    }
+}
+
+impl Config {
+    /// The layer's answer to a request it refuses before its scope is built: for its key,
+    /// its principal or its body.
+    pub(crate) fn refuse<B>(&self, reason: Reason, parts: &Parts) -> Response<ResponseBody<B>> {
+        self.refuse_at(reason, parts, scope::endpoint_of(&self.endpoint, parts))
+    }
+
+    /// [`refuse`](Self::refuse) with the request's endpoint already named.
+    pub(crate) fn refuse_at<B>(
+        &self,
+        reason: Reason,
+        parts: &Parts,
+        endpoint: String,
+    ) -> Response<ResponseBody<B>> {
+        let renderer = self.render_rejections.as_deref();
+        Rejection::new(reason, endpoint).into_response(Protocol::of(&parts.headers), renderer)
     }
 }
 

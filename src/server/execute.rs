@@ -66,9 +66,7 @@ where
                     Reason::BodyTooLarge { .. } => RequestOutcome::BodyTooLarge,
                     _ => RequestOutcome::InvalidBody,
                 });
-                let endpoint = scope::endpoint_of(&config.endpoint, &parts);
-                let rejection = Rejection::new(reason, endpoint);
-                return Ok(rejection.into_response(protocol(), renderer));
+                return Ok(config.refuse(reason, &parts));
             }
         };
         let scope = scope::of_request(&config.endpoint, &parts, principal.as_ref(), key);

@@ -21,8 +21,7 @@ use super::{
     config::Config,
     execute,
     future::ResponseFuture,
-    grpc::Protocol,
-    rejection::{Reason, Rejection},
+    rejection::Reason,
     request_body::{BoxError, HandOnBody},
     scope,
     state::Shared,
@@ -82,7 +81,7 @@ where
             Ok(None) if config.required => {
                 meters.answered(RequestOutcome::KeyMissing);
                 let (parts, _) = request.into_parts();
-                return ResponseFuture::answered(reject(Reason::KeyRequired, config, &parts));
+                return ResponseFuture::answered(config.refuse(Reason::KeyRequired, &parts));
             }
             Ok(None) => {
                 let request = request.map(HandOnBody::unread);
@@ -91,7 +90,7 @@ where
             Err(_) => {
                 meters.answered(RequestOutcome::InvalidKey);
                 let (parts, _) = request.into_parts();
-                return ResponseFuture::answered(reject(Reason::InvalidKey, config, &parts));
+                return ResponseFuture::answered(config.refuse(Reason::InvalidKey, &parts));
             }
         };
         // The service that was made ready goes with this request; the clone stays for the next.
@@ -114,17 +113,6 @@ where
     }
 }
 
-/// The layer's answer to a request it refuses before reading its body.
-fn reject<ResBody>(
-    reason: Reason,
-    config: &Config,
-    parts: &Parts,
-) -> Response<ResponseBody<ResBody>> {
-    let endpoint = scope::endpoint_of(&config.endpoint, parts);
-    let renderer = config.render_rejections.as_deref();
-    Rejection::new(reason, endpoint).into_response(Protocol::of(&parts.headers), renderer)
-}
-
 /// The answer to a keyed request that names no principal on a route that allows no
 /// anonymous requests. The first one logs an error naming the fix; the rest, a debug line
 /// (each is also counted: `idempotency_requests_total{outcome="principal_missing"}`).
@@ -143,7 +131,7 @@ fn refuse_anonymous<ResBody>(config: &Config, parts: &Parts) -> Response<Respons
              or IdempotencyLayer::unscoped"
         );
     }
-    reject(Reason::PrincipalMissing, config, parts)
+    config.refuse_at(Reason::PrincipalMissing, parts, endpoint)
 }
 
 impl<S: fmt::Debug> fmt::Debug for Idempotency<S> {
