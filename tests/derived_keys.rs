@@ -144,57 +144,38 @@ async fn any_service_finds_the_keys_in_its_request_and_an_unkeyed_request_has_no
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(body))))
     });
     let layer = IdempotencyLayer::new(MemoryStore::new()).allow_anonymous();
-    let service = layer.clone().derive_keys().layer(seen);
+    let deriving = layer.clone().derive_keys().layer(seen);
     let not_deriving = layer.layer(seen);
-    let call = |key: Option<&'static str>, body: &'static str| {
-        let service = service.clone();
-        async move {
-            let mut request = Request::post("/v1/orders");
-            if let Some(key) = key {
-                request = request.header("idempotency-key", key);
-            }
-            let request = request.body(Full::new(Bytes::from(body))).unwrap();
-            let response = service.oneshot(request).await.unwrap();
-            response.into_body().collect().await.unwrap().to_bytes()
-        }
-    };
-    let first = call(Some("k1"), "a").await;
-    assert_eq!(first.len(), 36);
-    assert_ne!(
-        call(Some("k2"), "a").await,
-        first,
-        "another key, another scope"
-    );
-    assert_eq!(call(None, "a").await, "none");
-    // A layer that does not derive keys hands on none: its executions pay nothing for them.
-    let request = Request::post("/v1/orders")
-        .header("idempotency-key", "k3")
-        .body(Full::new(Bytes::from("a")))
-        .unwrap();
-    let response = not_deriving.oneshot(request).await.unwrap();
-    assert_eq!(
-        response.into_body().collect().await.unwrap().to_bytes(),
-        "none"
-    );
     // On another instance (another layer on another store), the same scope derives the same.
     let elsewhere = IdempotencyLayer::new(MemoryStore::new())
         .allow_anonymous()
         .derive_keys()
-        .layer(service_fn(|request: Request<Full<Bytes>>| async move {
-            let keys = request.extensions().get::<DerivedKeys>().unwrap();
-            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(
-                keys.key("downstream"),
-            ))))
-        }));
-    let request = Request::post("/v1/orders")
-        .header("idempotency-key", "k1")
-        .body(Full::new(Bytes::from("a")))
-        .unwrap();
-    let response = elsewhere.oneshot(request).await.unwrap();
-    assert_eq!(
-        response.into_body().collect().await.unwrap().to_bytes(),
-        first
+        .layer(seen);
+    /// What the service saw of its derived keys, for a `POST` with `key`.
+    async fn seen_by<S>(service: &S, key: Option<&str>) -> Bytes
+    where
+        S: tower::Service<Request<Full<Bytes>>, Error = Infallible> + Clone,
+        S::Response: Into<Response<tower_idempotency::ResponseBody<Full<Bytes>>>>,
+    {
+        let mut request = Request::post("/v1/orders");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let request = request.body(Full::new(Bytes::from("a"))).unwrap();
+        let response = service.clone().oneshot(request).await.unwrap().into();
+        response.into_body().collect().await.unwrap().to_bytes()
+    }
+    let first = seen_by(&deriving, Some("k1")).await;
+    assert_eq!(first.len(), 36);
+    assert_ne!(
+        seen_by(&deriving, Some("k2")).await,
+        first,
+        "another key, another scope"
     );
+    assert_eq!(seen_by(&deriving, None).await, "none");
+    // A layer that does not derive keys hands on none: its executions pay nothing for them.
+    assert_eq!(seen_by(&not_deriving, Some("k3")).await, "none");
+    assert_eq!(seen_by(&elsewhere, Some("k1")).await, first);
 }
 
 #[tokio::test]
