@@ -52,6 +52,9 @@ mod fingerprint;
 mod key;
 mod server;
 pub mod store;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod transaction;
 
 /// The Redis driver the store is built on, so applications use a matching version.
 #[cfg(feature = "redis")]
@@ -73,6 +76,10 @@ pub use server::{
     ResponseBody, ResponseFuture, ResponseHead, Scope, SpanField, Unscoped, PROBLEM_JSON,
     REPLAYED_HEADER,
 };
+/// The sqlx version the transactional mode's `SqlxTransaction` is built on.
+#[cfg(feature = "sqlx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
+pub use sqlx;
 pub use store::record::{ClaimToken, DecodeError, Record, StoredResponse};
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]

@@ -38,7 +38,6 @@ for_each_store!(
     missing_key_on_required_and_optional_routes,
     only_configured_methods_are_handled,
     oversized_request_body_claims_nothing,
-    key_reused_with_other_parameters_conflicts,
     in_progress_conflict_says_when_to_retry,
     concurrent_duplicates_execute_once,
     a_request_dropped_mid_execution_still_records,
@@ -47,8 +46,6 @@ for_each_store!(
     inner_service_error_releases_the_key,
     completed_records_expire_after_their_ttl,
     lease_is_renewed_while_the_handler_runs,
-    crashed_holder_frees_the_key_after_its_lease,
-    stale_holder_cannot_touch_the_new_claim,
     completing_twice_with_one_token_is_harmless,
     scope_parts_never_splice,
     principals_are_isolated_by_default,
@@ -66,6 +63,10 @@ for_each_store!(
     trailers_are_passed_on_recorded_and_replayed,
     transient_grpc_statuses_release_and_the_rest_replay,
     fingerprint_headers_are_part_of_the_parameters,
+    key_reused_with_other_parameters_conflicts;
+    not_transactional:
+    crashed_holder_frees_the_key_after_its_lease,
+    stale_holder_cannot_touch_the_new_claim,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -489,6 +490,8 @@ async fn lease_is_renewed_while_the_handler_runs(store: Arc<dyn Store>) {
     assert_eq!(handler.executions(), 1);
 }
 
+/// Not transactional: a transaction holds its key while its connection lives, whatever the
+/// lease; a dead holder's connection rolls back at once (`tests/transactional.rs`).
 async fn crashed_holder_frees_the_key_after_its_lease(store: Arc<dyn Store>) {
     let handler = Handler::default();
     let app = router(&handler, layer(&store).unscoped());
@@ -513,6 +516,7 @@ async fn crashed_holder_frees_the_key_after_its_lease(store: Arc<dyn Store>) {
     assert_eq!(handler.executions(), 1);
 }
 
+/// Not transactional: no lease runs out under a transaction, so no holder goes stale.
 async fn stale_holder_cannot_touch_the_new_claim(store: Arc<dyn Store>) {
     let scope = scope("stale");
     let fingerprint = Fingerprint::from_bytes([9; 32]);

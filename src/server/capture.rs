@@ -84,7 +84,19 @@ where
                 return response;
             }
         };
-    lease.complete(fingerprint, &stored).await;
+    let recorded = lease.complete(fingerprint, &stored).await;
+    if !recorded && lease.shared().store.commits_handler_writes() {
+        // The handler's writes were rolled back with the record: its response would tell
+        // of what did not happen. The retry executes again.
+        lease
+            .shared()
+            .state
+            .meters
+            .answered(RequestOutcome::StoreUnavailable);
+        let endpoint = lease.scope().endpoint().to_owned();
+        let rejection = Rejection::new(Reason::StoreUnavailable, endpoint);
+        return rejection.into_response(protocol, config.render_rejections.as_deref());
+    }
     lease.shared().state.meters.answered(outcome);
     Response::from_parts(parts, body)
 }

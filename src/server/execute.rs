@@ -167,6 +167,7 @@ where
         if config.derive_keys {
             parts.extensions.insert(DerivedKeys::of(&scope));
         }
+        shared.store.hand_over(token, &mut parts.extensions);
         // The clock read once claimed, so that a replay pays nothing for it: the lease
         // began a round trip earlier, which only lets a write be retried a little past it,
         // where the fence refuses it anyway.

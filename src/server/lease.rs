@@ -223,8 +223,12 @@ impl Lease {
     }
 
     /// Records `response` as the key's outcome, replayed to every retry until the
-    /// layer's ttl runs out.
-    pub(crate) async fn complete(&self, fingerprint: Fingerprint, response: &StoredResponse) {
+    /// layer's ttl runs out: whether the store applied it.
+    pub(crate) async fn complete(
+        &self,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+    ) -> bool {
         let ttl = self.shared.config.ttl;
         let complete = || {
             self.shared
@@ -235,15 +239,20 @@ impl Lease {
             .write_until_settled(Operation::Complete, complete)
             .await
         {
-            Ok(Fenced::Applied) => {}
+            Ok(Fenced::Applied) => return true,
             Ok(Fenced::Lost) => {
                 self.warn("claim lost before the response was recorded: it will not be replayed")
             }
+            Err(error) if self.shared.store.commits_handler_writes() => tracing::error!(
+                %error,
+                "could not commit the response's record, nor the handler's writes with it: answering 503, and a retry executes again"
+            ),
             Err(error) => tracing::error!(
                 %error,
                 "could not record the response within the lease: a retry after the lease runs out executes again"
             ),
         }
+        false
     }
 
     pub(crate) fn warn(&self, message: &str) {

@@ -230,4 +230,12 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
     async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
         self.inner.watch(scope).await
     }
+
+    fn hand_over(&self, token: ClaimToken, extensions: &mut http::Extensions) {
+        self.inner.hand_over(token, extensions)
+    }
+
+    fn commits_handler_writes(&self) -> bool {
+        self.inner.commits_handler_writes()
+    }
 }

@@ -325,6 +325,21 @@ pub trait Store: Debug + Send + Sync + 'static {
         Ok(None)
     }
 
+    /// Once `token` has claimed a key, puts in `extensions` (the request's, handed to the
+    /// handler) what the handler needs to write in the store's transaction: a store that
+    /// runs each execution in a database transaction (PostgreSQL's transactional modes)
+    /// hands over that transaction. Others add nothing (the default).
+    fn hand_over(&self, _token: ClaimToken, _extensions: &mut http::Extensions) {}
+
+    /// Whether a completion also commits the handler's own writes (a transactional store).
+    /// The layer then never sends a response whose completion the store did not apply, as
+    /// its writes did not happen: it answers `503 idempotency_store_unavailable` instead,
+    /// and the client's retry executes again. `false` by default: a response is sent
+    /// whether or not its record could be written.
+    fn commits_handler_writes(&self) -> bool {
+        false
+    }
+
     /// A short fixed name for the store's kind: the `store` label of the layer's metrics
     /// (`"memory"`, `"redis"`, `"postgres"`; a cache in front gives its store's). The
     /// default, `"custom"`, fits a store of one's own.

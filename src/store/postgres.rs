@@ -3,6 +3,10 @@
 mod listener;
 mod notification;
 mod resource_id;
+#[cfg(feature = "sqlx")]
+mod sqlx_transactions;
+mod tokio_postgres_transactions;
+mod transactional;
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -17,9 +21,10 @@ use tokio_postgres::{types::ToSql, NoTls, Row};
 use self::listener::Listener;
 use self::resource_id::Extractor;
 pub use self::resource_id::{ExtractResourceId, ResourceId, MAX_RESOURCE_ID_LEN};
+use self::transactional::{Open, Transactions};
 use super::{
     record::{headers_and_trailers_len, put_headers_and_trailers, take_headers_and_trailers},
-    Claim, Error, Fenced, Result, Store, Watch,
+    Claim, Ending, Error, Fenced, Result, Store, Watch,
 };
 use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 
@@ -107,6 +112,9 @@ pub struct PostgresStore {
     count_replays: bool,
     /// Rows deleted per statement by [`PostgresStore::purge_expired`].
     purge_batch: i64,
+    /// The open transactions of the transactional mode, if it is on
+    /// ([`PostgresStore::transactional`]).
+    transactions: Option<Arc<dyn Transactions>>,
 }
 
 /// Why a PostgreSQL operation failed.
@@ -142,6 +150,10 @@ pub enum PostgresStoreError {
     /// A row holds something this version never writes.
     #[error("unexpected row: {0}")]
     UnexpectedRow(&'static str),
+    /// sqlx failed a statement of the transactional mode's sqlx flavour.
+    #[cfg(feature = "sqlx")]
+    #[error("sqlx: {0}")]
+    Sqlx(#[from] sqlx::Error),
 }
 
 impl From<PostgresStoreError> for Error {
@@ -186,6 +198,19 @@ struct Table {
     extend: String,
     purge: String,
     purge_keeping_completed: String,
+    transactional: Transactional,
+}
+
+/// The statements only the transactional mode runs.
+struct Transactional {
+    /// The live row of a key, read outside any transaction: what a replay costs.
+    read: String,
+    /// `read`, counting the replay ([`PostgresStore::count_replays`]).
+    read_counting: String,
+    /// In the execution's transaction: its lock on the key, then its claim.
+    claim: String,
+    /// Notifies the channel of a rolled-back execution (`$1` the payload).
+    notify: String,
 }
 
 impl PostgresStore {
@@ -232,6 +257,7 @@ impl PostgresStore {
             resource_id: Extractor::default(),
             count_replays: false,
             purge_batch: PURGE_BATCH,
+            transactions: None,
         }
     }
 
@@ -375,6 +401,85 @@ impl PostgresStore {
     pub fn purge_batch(mut self, rows: u32) -> Self {
         self.purge_batch = i64::from(rows.max(1));
         self
+    }
+
+    /// Runs every execution in a transaction of its own, on a connection of this store's
+    /// pool, and hands it to the handler ([`PostgresTransaction`](crate::transaction::PostgresTransaction)):
+    /// the claim, the handler's writes and the completed record commit together, or not at
+    /// all.
+    ///
+    /// - A crash or a lost connection at any point rolls back the handler's writes with the
+    ///   claim: the retry executes once, cleanly, without waiting for a lease.
+    /// - A released outcome (5xx, an inner error, a panic, the release policy's statuses)
+    ///   rolls back the handler's writes; a recorded one commits them with its record. A
+    ///   response whose commit fails is not sent: the client gets `503` and its retry
+    ///   executes again.
+    /// - A replay reads the committed record outside any transaction, in one round trip.
+    ///   A duplicate of a running execution finds its transaction's advisory lock taken
+    ///   (tried without waiting) and gets `409` at once: its row is invisible until it
+    ///   commits, so the duplicate's own fingerprint stands in for the original's, and a
+    ///   key reused with another body is told so only once the original has ended.
+    /// - A transaction holds a pooled connection for the handler's whole run: size the
+    ///   pool for the executions that run at once, plus the replays. A first execution
+    ///   that finds no connection within 2 s gets `503` with `Retry-After`.
+    /// - The database's own limits end a handler that runs past them: with
+    ///   `statement_timeout` its statement fails, with `idle_in_transaction_session_timeout`
+    ///   its connection is closed. Either way nothing commits: the handler's error
+    ///   response releases the key, and a success response it sends anyway cannot be
+    ///   committed and becomes `503`.
+    /// - The lease does not bound a transactional execution: the transaction holds the key
+    ///   for as long as it stays open, and is never taken over while its connection lives.
+    ///
+    /// Other settings are kept: the table, `keep_completed`, `resource_id`,
+    /// `count_replays`, `announce_outcomes`, `purge_expired`.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+    /// use tower_idempotency::{IdempotencyLayer, PostgresStore};
+    /// let store = PostgresStore::connect("postgres://localhost/app").await?.transactional();
+    /// let layer = IdempotencyLayer::new(store);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn transactional(mut self) -> Self {
+        let driver = tokio_postgres_transactions::Pooled::new(self.pool.clone());
+        self.transactions = Some(Arc::new(Open::new(driver)));
+        self
+    }
+
+    /// [`transactional`](Self::transactional), with each execution's transaction on a
+    /// connection of `pool`, an sqlx pool of the same database, handed to the handler as an
+    /// [`SqlxTransaction`](crate::transaction::SqlxTransaction). The store's own connections
+    /// serve the replays, the migration and the purge. A first execution waits at most 2 s
+    /// for a connection of `pool` (less if the pool's `acquire_timeout` is shorter), then
+    /// gets `503`.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::{IdempotencyLayer, PostgresStore};
+    /// let url = "postgres://localhost/app";
+    /// let pool = sqlx::PgPool::connect(url).await?;
+    /// let store = PostgresStore::connect(url).await?.transactional_sqlx(pool);
+    /// let layer = IdempotencyLayer::new(store);
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "sqlx")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
+    pub fn transactional_sqlx(mut self, pool: sqlx::PgPool) -> Self {
+        let driver = sqlx_transactions::Sqlx::new(pool);
+        self.transactions = Some(Arc::new(Open::new(driver)));
+        self
+    }
+
+    /// How many executions' transactions are open now (0 unless
+    /// [`transactional`](Self::transactional)).
+    pub fn open_transactions(&self) -> usize {
+        self.transactions.as_ref().map_or(0, |open| open.open())
     }
 
     /// The SQL that creates the table and its indexes, for this store's table name.
@@ -573,6 +678,168 @@ impl PostgresStore {
         let rows = client.query(&statement, params).await?;
         Ok(fenced(rows.len() as u64))
     }
+
+    /// The live row of `scope`, read (and its replay counted, if counted) outside any
+    /// transaction; `None` when the key is free.
+    async fn read(&self, scope: &Scope) -> Result<Option<Claim>> {
+        let statements = &self.table.transactional;
+        let sql = if self.count_replays {
+            &statements.read_counting
+        } else {
+            &statements.read
+        };
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(sql).await?;
+        let (key, endpoint, principal) = (scope.key().as_str(), scope.endpoint(), principal(scope));
+        let row = client
+            .query_opt(&statement, &[&key, &endpoint, &principal])
+            .await?;
+        row.map(|row| decode_claim(&row, self.count_replays))
+            .transpose()
+    }
+
+    /// The parameters of `token`'s completion with `response`.
+    fn completion<'a>(
+        &self,
+        scope: &'a Scope,
+        token: &'a ClaimToken,
+        fingerprint: &'a Fingerprint,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> Completion<'a> {
+        let mut headers = BytesMut::with_capacity(headers_and_trailers_len(response));
+        put_headers_and_trailers(&mut headers, response);
+        let announced = self.announced_key(scope);
+        let notification = announced
+            .as_deref()
+            .map_or_else(String::new, |key| notification::end_of(key, *token));
+        Completion {
+            key: scope.key().as_str(),
+            endpoint: scope.endpoint(),
+            principal: principal(scope),
+            token: token.as_bytes(),
+            fingerprint: fingerprint.as_bytes(),
+            status: response.status.as_u16() as i16,
+            headers: Vec::from(headers),
+            body: &response.body,
+            ttl: millis(ttl),
+            notification,
+            resource_id: self.resource_id.extract(response),
+            announced,
+            claim: *token,
+        }
+    }
+
+    /// Writes `token`'s completion in a statement of its own.
+    async fn complete_now(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced> {
+        let completion = self.completion(scope, &token, &fingerprint, response, ttl);
+        let [_, complete, ..] = self.writes();
+        let ending = completion.ending(self);
+        let completed = self.notifying(complete, &completion.params()).await?;
+        if let (Fenced::Applied, Some(ending)) = (completed, ending) {
+            // This process's waiters take the record as written, and none reads it.
+            ending.completed(|| Claim::Completed {
+                fingerprint,
+                response: response.clone(),
+                expires_in: Some(ttl),
+            });
+        }
+        Ok(completed)
+    }
+
+    /// Deletes `token`'s in-progress row in a statement of its own.
+    async fn release_now(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+        let key = self.announced_key(scope);
+        let notification = key
+            .as_deref()
+            .map_or_else(String::new, |key| notification::end_of(key, token));
+        let params: [&(dyn ToSql + Sync); 5] = [
+            &scope.key().as_str(),
+            &scope.endpoint(),
+            &principal(scope),
+            &token.as_bytes().as_slice(),
+            &notification.as_str(),
+        ];
+        let [_, _, release, _] = self.writes();
+        let ending = key.as_deref().map(|key| self.listener.ending(key, token));
+        let released = self.notifying(release, &params).await?;
+        if let (Fenced::Applied, Some(ending)) = (released, ending) {
+            ending.released();
+        }
+        Ok(released)
+    }
+
+    /// Tells the waiters of `scope`, in this process and, if it announces, every other,
+    /// that the transaction of `token` was rolled back: a rollback notifies nothing by
+    /// itself.
+    async fn announce_rollback(&self, scope: &Scope, token: ClaimToken) {
+        let Some(key) = self.announced_key(scope) else {
+            return;
+        };
+        let ending = self.listener.ending(&key, token);
+        let notification = notification::end_of(&key, token);
+        let notified = async {
+            let client = self.pool.get().await?;
+            let statement = client
+                .prepare_cached(&self.table.transactional.notify)
+                .await?;
+            client.execute(&statement, &[&notification]).await?;
+            Ok::<_, Error>(())
+        };
+        if let Err(error) = notified.await {
+            tracing::warn!(%error, "could not notify a rolled-back execution: other instances' waiters read their key at their next check");
+        }
+        ending.released();
+    }
+}
+
+/// A completion's parameters, in the order of the completing statements' `$1`…`$11`.
+pub(super) struct Completion<'a> {
+    pub(super) key: &'a str,
+    pub(super) endpoint: &'a str,
+    pub(super) principal: &'a str,
+    pub(super) token: &'a [u8],
+    pub(super) fingerprint: &'a [u8],
+    pub(super) status: i16,
+    pub(super) headers: Vec<u8>,
+    pub(super) body: &'a [u8],
+    pub(super) ttl: i64,
+    pub(super) notification: String,
+    pub(super) resource_id: Option<String>,
+    /// How the store's notifications name the key, if it announces.
+    announced: Option<String>,
+    claim: ClaimToken,
+}
+
+impl Completion<'_> {
+    pub(super) fn params(&self) -> [&(dyn ToSql + Sync); 11] {
+        [
+            &self.key,
+            &self.endpoint,
+            &self.principal,
+            &self.token,
+            &self.fingerprint,
+            &self.status,
+            &self.headers,
+            &self.body,
+            &self.ttl,
+            &self.notification,
+            &self.resource_id,
+        ]
+    }
+
+    /// The local announcement of this completion, to be made once it is written.
+    fn ending<'s>(&'s self, store: &'s PostgresStore) -> Option<Ending<'s>> {
+        let key = self.announced.as_deref()?;
+        Some(store.listener.ending(key, self.claim))
+    }
 }
 
 fn validate_identifier(name: &str) -> Result<(), PostgresStoreError> {
@@ -721,17 +988,15 @@ WHERE {scope} AND claim_token = $4
         // CONFLICT DO UPDATE` locks the row it meets even when its `WHERE` leaves it be, and
         // that lock would make every replay and duplicate a write, flushed at commit. (A
         // row committed after the statement's snapshot is met, and locked, as before.)
-        let claiming = format!(
-            "WITH seen AS (
-    SELECT 1 FROM {name} WHERE {scope} AND {alive}
-),
-claimed AS (
-    INSERT INTO {name} AS r (idempotency_key, endpoint, principal, request_hash, status,
+        // The insert that takes the key, where `when` (a `FROM` and `WHERE` clause) lets it.
+        let insert_claim = |when: &str| {
+            format!(
+                "INSERT INTO {name} AS r (idempotency_key, endpoint, principal, request_hash, status,
         claim_token, locked_until, created_at, expires_at)
     SELECT $1, $2, $3, $4::bytea, 'in_progress', $5::bytea,
         now() + $6::bigint * interval '1 millisecond', now(),
         now() + $6::bigint * interval '1 millisecond'
-    WHERE NOT EXISTS (SELECT 1 FROM seen)
+    {when}
     ON CONFLICT (idempotency_key, endpoint, principal) DO UPDATE SET
         request_hash = EXCLUDED.request_hash, status = 'in_progress', status_code = NULL,
         response_headers = NULL, response_body = NULL, claim_token = EXCLUDED.claim_token,
@@ -739,8 +1004,17 @@ claimed AS (
         completed_at = NULL, expires_at = EXCLUDED.expires_at, resource_id = NULL,
         replay_count = 0, last_replayed_at = NULL
     WHERE r.expires_at <= now() OR (r.status = 'in_progress' AND r.locked_until <= now())
-    RETURNING 1
-)"
+    RETURNING 1"
+            )
+        };
+        let claiming = format!(
+            "WITH seen AS (
+    SELECT 1 FROM {name} WHERE {scope} AND {alive}
+),
+claimed AS (
+    {}
+)",
+            insert_claim("WHERE NOT EXISTS (SELECT 1 FROM seen)")
         );
         let claimed =
             "SELECT true, NULL::bytea, NULL::text, NULL::smallint, NULL::bytea, NULL::bytea,
@@ -753,7 +1027,66 @@ FROM claimed";
         - now()) * 1000)::bigint,
     (extract(epoch FROM now() - created_at) * 1000)::bigint";
         let live = format!("{scope} AND {alive}\n    AND NOT EXISTS (SELECT 1 FROM claimed)");
+        // The transactional mode's statements. Its claims are never committed in progress
+        // (a transaction commits its row completed, or rolls it back), so its duplicates
+        // cannot see a running original's row: its transaction's advisory lock on the
+        // key (`$7`) is what they find taken.
+        let replayed = |live: &str| {
+            format!(
+                "UPDATE {name} SET replay_count = replay_count + 1, last_replayed_at = now()
+    WHERE {live} AND status = 'completed'
+    RETURNING {found}"
+            )
+        };
+        let read_live = format!("{scope} AND {alive}");
+        let transactional = Transactional {
+            read: format!("SELECT {found} FROM {name} WHERE {read_live}"),
+            read_counting: format!(
+                "WITH replayed AS (
+    {}
+)
+SELECT * FROM replayed
+UNION ALL
+SELECT {found} FROM {name} WHERE {read_live} AND status = 'in_progress'",
+                replayed(&read_live)
+            ),
+            // The execution's two locks, tried without waiting: one on its request (the
+            // key and the fingerprint, `$8`), then one on its key (`$7`), taken only with the
+            // first. A duplicate that finds the first taken runs the same request as a
+            // running execution; one that finds only the second taken runs another.
+            // Then whether the key was claimed: a key held by a row committed since the
+            // caller read it is left as it is. A lock held elsewhere comes with how long its
+            // holder's transaction has run, in milliseconds, where this role may see it (its
+            // own sessions, or with `pg_read_all_stats`).
+            claim: format!(
+                "WITH request AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock($8::bigint) AS taken
+),
+lock AS MATERIALIZED (
+    SELECT request.taken,
+        CASE WHEN request.taken THEN pg_try_advisory_xact_lock($7::bigint) ELSE false END AS taken_key,
+        CASE WHEN request.taken THEN $7::bigint ELSE $8::bigint END AS held
+    FROM request
+),
+claimed AS (
+    {}
+)
+SELECT lock.taken, lock.taken_key, EXISTS (SELECT 1 FROM claimed),
+    CASE WHEN NOT lock.taken_key THEN (
+        SELECT (extract(epoch FROM now() - a.xact_start) * 1000)::bigint
+        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+            AND l.classid = ((lock.held >> 32) & 4294967295)::oid
+            AND l.objid = (lock.held & 4294967295)::oid
+        LIMIT 1
+    ) END
+FROM lock",
+                insert_claim("FROM lock WHERE lock.taken_key")
+            ),
+            notify: format!("SELECT pg_notify('{channel}', $1)"),
+        };
         Self {
+            transactional,
             claim: format!(
                 "{claiming}
 {claimed}
@@ -767,9 +1100,7 @@ WHERE {live}"
             claim_counting: format!(
                 "{claiming},
 replayed AS (
-    UPDATE {name} SET replay_count = replay_count + 1, last_replayed_at = now()
-    WHERE {live} AND status = 'completed'
-    RETURNING {found}
+    {}
 )
 {claimed}
 UNION ALL
@@ -777,7 +1108,8 @@ SELECT * FROM replayed
 UNION ALL
 SELECT {found}
 FROM {name}
-WHERE {live} AND status = 'in_progress'"
+WHERE {live} AND status = 'in_progress'",
+                replayed(&live)
             ),
             complete_announced: format!("{completing}{}", notify(10)),
             release_announced: format!("{releasing}{}", notify(5)),
@@ -907,6 +1239,9 @@ impl Store for PostgresStore {
         token: ClaimToken,
         lease: Duration,
     ) -> Result<Claim> {
+        if let Some(open) = &self.transactions {
+            return open.claim(self, scope, fingerprint, token, lease).await;
+        }
         let client = self.pool.get().await?;
         let [claim, ..] = self.writes();
         let statement = self.prepared(&client, claim).await?;
@@ -944,63 +1279,34 @@ impl Store for PostgresStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced> {
-        let mut headers = BytesMut::with_capacity(headers_and_trailers_len(response));
-        put_headers_and_trailers(&mut headers, response);
-        let status = response.status.as_u16() as i16;
-        let key = self.announced_key(scope);
-        let notification = key
-            .as_deref()
-            .map_or_else(String::new, |key| notification::end_of(key, token));
-        let resource_id = self.resource_id.extract(response);
-        let params: [&(dyn ToSql + Sync); 11] = [
-            &scope.key().as_str(),
-            &scope.endpoint(),
-            &principal(scope),
-            &token.as_bytes().as_slice(),
-            &fingerprint.as_bytes().as_slice(),
-            &status,
-            &headers.as_ref(),
-            &response.body.as_ref(),
-            &millis(ttl),
-            &notification.as_str(),
-            &resource_id,
-        ];
-        let [_, complete, ..] = self.writes();
-        let ending = key.as_deref().map(|key| self.listener.ending(key, token));
-        let completed = self.notifying(complete, &params).await?;
-        if let (Fenced::Applied, Some(ending)) = (completed, ending) {
-            // This process's waiters take the record as written, and none reads it.
-            ending.completed(|| Claim::Completed {
-                fingerprint,
-                response: response.clone(),
-                expires_in: Some(ttl),
-            });
+        match &self.transactions {
+            Some(open) => {
+                open.complete(self, scope, token, fingerprint, response, ttl)
+                    .await
+            }
+            None => {
+                self.complete_now(scope, token, fingerprint, response, ttl)
+                    .await
+            }
         }
-        Ok(completed)
     }
 
     async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
-        let key = self.announced_key(scope);
-        let notification = key
-            .as_deref()
-            .map_or_else(String::new, |key| notification::end_of(key, token));
-        let params: [&(dyn ToSql + Sync); 5] = [
-            &scope.key().as_str(),
-            &scope.endpoint(),
-            &principal(scope),
-            &token.as_bytes().as_slice(),
-            &notification.as_str(),
-        ];
-        let [_, _, release, _] = self.writes();
-        let ending = key.as_deref().map(|key| self.listener.ending(key, token));
-        let released = self.notifying(release, &params).await?;
-        if let (Fenced::Applied, Some(ending)) = (released, ending) {
-            ending.released();
+        match &self.transactions {
+            Some(open) => open.release(self, scope, token).await,
+            None => self.release_now(scope, token).await,
         }
-        Ok(released)
     }
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
+        if let Some(open) = &self.transactions {
+            // Its transaction holds the key for as long as it is open.
+            return Ok(if open.holds(token) {
+                Fenced::Applied
+            } else {
+                Fenced::Lost
+            });
+        }
         let params: [&(dyn ToSql + Sync); 5] = [
             &scope.key().as_str(),
             &scope.endpoint(),
@@ -1023,6 +1329,16 @@ impl Store for PostgresStore {
             watch => watch,
         })
     }
+
+    fn hand_over(&self, token: ClaimToken, extensions: &mut http::Extensions) {
+        if let Some(open) = &self.transactions {
+            open.hand_over(token, extensions);
+        }
+    }
+
+    fn commits_handler_writes(&self) -> bool {
+        self.transactions.is_some()
+    }
 }
 
 impl fmt::Debug for PostgresStore {
@@ -1031,6 +1347,7 @@ impl fmt::Debug for PostgresStore {
             .field("table", &self.table.name)
             .field("keep_completed", &self.keep_completed)
             .field("count_replays", &self.count_replays)
+            .field("transactional", &self.transactions.is_some())
             .field("watched", &self.watched())
             .finish_non_exhaustive()
     }

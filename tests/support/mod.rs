@@ -36,36 +36,66 @@ macro_rules! on_memory_and_redis {
 /// Runs each listed `async fn case(store: Arc<dyn Store>)` once per store, as
 /// `memory::case`, `redis::case` (shared Redis, own key prefix), `redis_cluster::case` and
 /// `redis_sentinel::case` (the shared cluster and Sentinel set, own key prefix),
-/// `postgres::case` (shared PostgreSQL, own table) and `cached_redis::case` (a local cache
-/// of completed records in front of Redis).
+/// `postgres::case` (shared PostgreSQL, own table), `postgres_transactional::case` and
+/// `sqlx_transactional::case` (the transactional mode on each driver, own table) and
+/// `cached_redis::case` (a local cache of completed records in front of Redis).
+///
+/// Cases listed after `not_transactional:` skip the transactional stores: each says why
+/// in its own docs (a lease taken over, a running original's fingerprint), and the
+/// transactional suite shows what the mode does instead.
 #[allow(unused_macros)] // Not every test file runs cases per store.
 macro_rules! for_each_store {
     ($($case:ident),* $(,)?) => {
-        on_memory_and_redis!($($case),*);
+        for_each_store!($($case),*; not_transactional:);
+    };
+    ($($case:ident),* $(,)?; not_transactional: $($untransacted:ident),* $(,)?) => {
+        on_memory_and_redis!($($case,)* $($untransacted),*);
         mod postgres {
             $(#[tokio::test]
             async fn $case() {
                 super::$case(crate::support::shared_postgres_store().await).await
             })*
-        }
-        mod redis_cluster {
             $(#[tokio::test]
-            async fn $case() {
-                super::$case(std::sync::Arc::new(crate::support::cluster_store(stringify!($case)).await)).await
+            async fn $untransacted() {
+                super::$untransacted(crate::support::shared_postgres_store().await).await
             })*
         }
-        mod redis_sentinel {
+        mod postgres_transactional {
             $(#[tokio::test]
             async fn $case() {
-                super::$case(std::sync::Arc::new(crate::support::sentinel_store(stringify!($case)).await)).await
+                let store = crate::support::Driver::TokioPostgres.store().await;
+                super::$case(store).await
             })*
         }
+        #[cfg(feature = "sqlx")]
+        mod sqlx_transactional {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(crate::support::Driver::Sqlx.store().await).await
+            })*
+        }
+        for_each_store!(@redis redis_cluster cluster_store $($case,)* $($untransacted),*);
+        for_each_store!(@redis redis_sentinel sentinel_store $($case,)* $($untransacted),*);
         mod cached_redis {
             $(#[tokio::test]
             async fn $case() {
                 let redis = crate::support::redis_store(stringify!($case)).await;
                 let cached = tower_idempotency::store::CachedStore::new(redis, 1000);
                 super::$case(std::sync::Arc::new(cached)).await
+            })*
+            $(#[tokio::test]
+            async fn $untransacted() {
+                let redis = crate::support::redis_store(stringify!($untransacted)).await;
+                let cached = tower_idempotency::store::CachedStore::new(redis, 1000);
+                super::$untransacted(std::sync::Arc::new(cached)).await
+            })*
+        }
+    };
+    (@redis $module:ident $store:ident $($case:ident),* $(,)?) => {
+        mod $module {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(std::sync::Arc::new(crate::support::$store(stringify!($case)).await)).await
             })*
         }
     };
@@ -176,4 +206,46 @@ pub async fn store_client(url: &str) -> tokio_postgres::Client {
 #[cfg(feature = "postgres")]
 pub async fn shared_postgres_store() -> Arc<dyn Store> {
     Arc::new(postgres_store().await)
+}
+
+/// Which driver a transactional store's executions run their transactions on.
+#[cfg(feature = "postgres")]
+#[derive(Clone, Copy, Debug)]
+pub enum Driver {
+    /// The store's own tokio-postgres pool.
+    TokioPostgres,
+    /// An sqlx pool of the same database.
+    #[cfg(feature = "sqlx")]
+    Sqlx,
+}
+
+#[cfg(feature = "postgres")]
+impl Driver {
+    /// A transactional PostgreSQL store on this driver, on a table of its own, migrated.
+    pub async fn transactional(self) -> tower_idempotency::PostgresStore {
+        transactional(self).await
+    }
+
+    /// [`Driver::transactional`], behind the trait object the layer shares.
+    pub async fn store(self) -> Arc<dyn Store> {
+        Arc::new(transactional(self).await)
+    }
+}
+
+/// A transactional PostgreSQL store on a table of its own, migrated.
+#[cfg(feature = "postgres")]
+pub async fn transactional(driver: Driver) -> tower_idempotency::PostgresStore {
+    let store = postgres_store().await;
+    match driver {
+        Driver::TokioPostgres => store.transactional(),
+        #[cfg(feature = "sqlx")]
+        Driver::Sqlx => {
+            let pool = tower_idempotency::sqlx::postgres::PgPoolOptions::new()
+                .max_connections(8)
+                .connect(&database_url())
+                .await
+                .expect("an sqlx pool");
+            store.transactional_sqlx(pool)
+        }
+    }
 }

@@ -1,0 +1,111 @@
+//! The transactional mode on an sqlx pool.
+
+use async_trait::async_trait;
+use sqlx::{postgres::PgRow, PgPool, Postgres, Row};
+
+use super::{
+    transactional::{Begun, Claiming, Driver, BEGIN_TIMEOUT},
+    Completion, PostgresStoreError,
+};
+use crate::store::{Error, Result};
+
+/// Transactions on connections of an sqlx pool.
+pub(super) struct Sqlx {
+    pool: PgPool,
+}
+
+impl Sqlx {
+    pub(super) fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+}
+
+/// A failure to get a connection changed nothing; any other may have.
+fn error(error: sqlx::Error) -> Error {
+    match error {
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => {
+            Error::Unavailable(Box::new(PostgresStoreError::Sqlx(error)))
+        }
+        error => Error::Backend(Box::new(PostgresStoreError::Sqlx(error))),
+    }
+}
+
+#[async_trait]
+impl Driver for Sqlx {
+    type Connection = sqlx::Transaction<'static, Postgres>;
+
+    async fn begin_claiming(
+        &self,
+        sql: &str,
+        claiming: &Claiming<'_>,
+    ) -> Result<Begun<Self::Connection>> {
+        let mut transaction = tokio::time::timeout(BEGIN_TIMEOUT, self.pool.begin())
+            .await
+            .map_err(|_| {
+                Error::Unavailable(
+                    format!("no sqlx connection within {BEGIN_TIMEOUT:?} for a transaction").into(),
+                )
+            })?
+            .map_err(error)?;
+        let row: PgRow = sqlx::query(sql)
+            .bind(claiming.key)
+            .bind(claiming.endpoint)
+            .bind(claiming.principal)
+            .bind(claiming.fingerprint)
+            .bind(claiming.token)
+            .bind(claiming.lease)
+            .bind(claiming.lock)
+            .bind(claiming.request_lock)
+            .fetch_one(&mut *transaction)
+            .await
+            .map_err(error)?;
+        let (request_locked, locked) = (
+            row.try_get(0).map_err(error)?,
+            row.try_get(1).map_err(error)?,
+        );
+        let (claimed, holder_ran) = (
+            row.try_get(2).map_err(error)?,
+            row.try_get(3).map_err(error)?,
+        );
+        Ok(Begun {
+            transaction,
+            request_locked,
+            locked,
+            claimed,
+            holder_ran,
+        })
+    }
+
+    async fn complete(
+        &self,
+        transaction: &mut Self::Connection,
+        sql: &str,
+        completion: &Completion<'_>,
+    ) -> Result<u64> {
+        let rows = sqlx::query(sql)
+            .bind(completion.key)
+            .bind(completion.endpoint)
+            .bind(completion.principal)
+            .bind(completion.token)
+            .bind(completion.fingerprint)
+            .bind(completion.status)
+            .bind(completion.headers.as_slice())
+            .bind(completion.body)
+            .bind(completion.ttl)
+            .bind(completion.notification.as_str())
+            .bind(completion.resource_id.as_deref())
+            .fetch_all(&mut **transaction)
+            .await
+            .map_err(error)?;
+        Ok(rows.len() as u64)
+    }
+
+    async fn commit(&self, transaction: Self::Connection) -> Result<()> {
+        transaction.commit().await.map_err(error)
+    }
+
+    async fn rollback(&self, transaction: Self::Connection) {
+        // A connection that fails to roll back is closed by sqlx, which rolls back too.
+        let _ = transaction.rollback().await;
+    }
+}
