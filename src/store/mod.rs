@@ -70,7 +70,9 @@ pub enum Claim {
     Claimed(ClaimToken),
     /// Another request holds the key.
     InProgress {
-        /// The holder's request fingerprint.
+        /// The holder's request fingerprint. A store whose running records cannot be read
+        /// until they commit ([`Store::commits_handler_writes`]) reports the caller's own
+        /// fingerprint when the holder runs the same request, and another otherwise.
         fingerprint: Fingerprint,
         /// How long the holder's lease still runs.
         lease_remaining: Duration,

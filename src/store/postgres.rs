@@ -1301,7 +1301,7 @@ impl Store for PostgresStore {
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
         if let Some(open) = &self.transactions {
             // Its transaction holds the key for as long as it is open.
-            return Ok(if open.holds(token) {
+            return Ok(if open.holds(scope, token) {
                 Fenced::Applied
             } else {
                 Fenced::Lost

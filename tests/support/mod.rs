@@ -241,7 +241,7 @@ pub async fn transactional(driver: Driver) -> tower_idempotency::PostgresStore {
         #[cfg(feature = "sqlx")]
         Driver::Sqlx => {
             let pool = tower_idempotency::sqlx::postgres::PgPoolOptions::new()
-                .max_connections(8)
+                .max_connections(16)
                 .connect(&database_url())
                 .await
                 .expect("an sqlx pool");

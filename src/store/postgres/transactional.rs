@@ -115,8 +115,8 @@ pub(super) trait Transactions: Send + Sync + 'static {
         token: ClaimToken,
     ) -> Result<Fenced>;
 
-    /// Whether `token`'s transaction is still open: its claim holds while it is.
-    fn holds(&self, token: ClaimToken) -> bool;
+    /// Whether `token`'s transaction on `scope` is still open: its claim holds while it is.
+    fn holds(&self, scope: &Scope, token: ClaimToken) -> bool;
 
     fn hand_over(&self, token: ClaimToken, extensions: &mut http::Extensions);
 
@@ -124,10 +124,17 @@ pub(super) trait Transactions: Send + Sync + 'static {
     fn open(&self) -> usize;
 }
 
-/// The open transactions of one store, by the token of the claim each made.
+/// The open transactions of one store, by the token of the claim each made, with the
+/// storage key it claimed.
 pub(super) struct Open<D: Driver> {
     driver: D,
-    transactions: Mutex<HashMap<ClaimToken, InTransaction<D::Connection>>>,
+    transactions: Mutex<HashMap<ClaimToken, Held<D::Connection>>>,
+}
+
+/// An open transaction and the storage key its claim holds.
+struct Held<C> {
+    key: Box<str>,
+    transaction: InTransaction<C>,
 }
 
 impl<D: Driver> Open<D> {
@@ -138,14 +145,22 @@ impl<D: Driver> Open<D> {
         }
     }
 
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<ClaimToken, InTransaction<D::Connection>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<ClaimToken, Held<D::Connection>>> {
         self.transactions
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn take(&self, token: ClaimToken) -> Option<InTransaction<D::Connection>> {
-        self.map().remove(&token)
+    /// The transaction `token`'s claim of `scope` opened: a token is no write's to
+    /// another scope.
+    fn take(&self, scope: &Scope, token: ClaimToken) -> Option<InTransaction<D::Connection>> {
+        let mut map = self.map();
+        match map.get(&token) {
+            Some(held) if *held.key == *scope.storage_key() => {
+                map.remove(&token).map(|held| held.transaction)
+            }
+            _ => None,
+        }
     }
 }
 
@@ -197,7 +212,7 @@ impl<D: Driver> Transactions for Open<D> {
         lease: Duration,
     ) -> Result<Claim> {
         // A claim sent again by its holder: it is still the holder's.
-        if self.holds(token) {
+        if self.holds(scope, token) {
             return Ok(Claim::Claimed(token));
         }
         let claiming = Claiming {
@@ -217,8 +232,11 @@ impl<D: Driver> Transactions for Open<D> {
             let sql = &store.table.transactional.claim;
             let begun = self.driver.begin_claiming(sql, &claiming).await?;
             if begun.claimed {
-                let transaction = InTransaction::new(begun.transaction);
-                self.map().insert(token, transaction);
+                let held = Held {
+                    key: scope.storage_key().into(),
+                    transaction: InTransaction::new(begun.transaction),
+                };
+                self.map().insert(token, held);
                 return Ok(Claim::Claimed(token));
             }
             self.driver.rollback(begun.transaction).await;
@@ -255,7 +273,7 @@ impl<D: Driver> Transactions for Open<D> {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fenced> {
-        let Some(open) = self.take(token) else {
+        let Some(open) = self.take(scope, token) else {
             // A completion sent again after its commit's answer was lost: the row this
             // token committed answers it, if the commit was applied.
             return store
@@ -303,7 +321,7 @@ impl<D: Driver> Transactions for Open<D> {
         scope: &Scope,
         token: ClaimToken,
     ) -> Result<Fenced> {
-        let Some(open) = self.take(token) else {
+        let Some(open) = self.take(scope, token) else {
             return store.release_now(scope, token).await;
         };
         // A transaction the handler still holds rolls back when it lets go of it.
@@ -314,13 +332,15 @@ impl<D: Driver> Transactions for Open<D> {
         Ok(Fenced::Applied)
     }
 
-    fn holds(&self, token: ClaimToken) -> bool {
-        self.map().contains_key(&token)
+    fn holds(&self, scope: &Scope, token: ClaimToken) -> bool {
+        self.map()
+            .get(&token)
+            .is_some_and(|held| *held.key == *scope.storage_key())
     }
 
     fn hand_over(&self, token: ClaimToken, extensions: &mut http::Extensions) {
-        if let Some(open) = self.map().get(&token) {
-            extensions.insert(open.clone());
+        if let Some(held) = self.map().get(&token) {
+            extensions.insert(held.transaction.clone());
         }
     }
 
