@@ -45,3 +45,447 @@ conformance!(
     concurrent_claims_have_one_winner,
     watches_wake_on_completion_and_release,
 );
+
+// ---------------------------------------------------------------------------------------
+// The handler's writes, through the layer.
+// ---------------------------------------------------------------------------------------
+
+use std::{
+    future::Future,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use axum::{
+    extract::State,
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+    routing::post,
+    Json, Router,
+};
+use support::app::{post as request, send, Answer};
+use tokio::sync::Semaphore;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_idempotency::{
+    deadpool_postgres::{Manager, Pool, Runtime},
+    sqlx::postgres::PgPoolOptions,
+    transaction::{PostgresTransaction, SqlxTransaction},
+    IdempotencyLayer, PostgresStore,
+};
+
+/// Runs each listed `async fn case(driver: Driver)` on both drivers.
+macro_rules! on_both_drivers {
+    ($($case:ident),* $(,)?) => {
+        mod tokio_postgres_driver {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(super::Driver::TokioPostgres).await
+            })*
+        }
+        mod sqlx_driver {
+            $(#[tokio::test]
+            async fn $case() {
+                super::$case(super::Driver::Sqlx).await
+            })*
+        }
+    };
+}
+
+on_both_drivers!(
+    recorded_outcomes_commit_the_handlers_writes_and_released_ones_roll_them_back,
+    a_duplicate_is_answered_at_once_while_the_original_runs,
+    an_exhausted_pool_answers_503_with_retry_after,
+    a_backend_terminated_mid_handler_frees_the_key_and_commits_nothing,
+    a_statement_timeout_fails_the_statement_and_nothing_commits,
+    a_handler_past_the_idle_in_transaction_timeout_gets_503,
+);
+
+/// What the test handler does in its transaction, on either driver.
+trait Ledger: Send + 'static {
+    /// Runs `sql` (one or more statements, no parameters).
+    fn run(&mut self, sql: String) -> impl Future<Output = Result<(), String>> + Send;
+    /// The server process of the transaction's connection.
+    fn pid(&mut self) -> impl Future<Output = i32> + Send;
+}
+
+impl Ledger for PostgresTransaction {
+    async fn run(&mut self, sql: String) -> Result<(), String> {
+        self.batch_execute(&sql).await.map_err(|e| e.to_string())
+    }
+
+    async fn pid(&mut self) -> i32 {
+        let row = self.query_one("SELECT pg_backend_pid()", &[]).await;
+        row.expect("the backend's pid").get(0)
+    }
+}
+
+impl Ledger for SqlxTransaction {
+    fn run(&mut self, sql: String) -> impl Future<Output = Result<(), String>> + Send {
+        let connection: &mut tower_idempotency::sqlx::PgConnection = self;
+        // Boxed: sqlx's executor bounds are too general for the compiler to prove this
+        // future `Send` in place.
+        let done: std::pin::Pin<Box<dyn Future<Output = _> + Send + '_>> = Box::pin(async move {
+            use tower_idempotency::sqlx::Executor;
+            connection.execute(sql.as_str()).await
+        });
+        async move { done.await.map(drop).map_err(|e| e.to_string()) }
+    }
+
+    async fn pid(&mut self) -> i32 {
+        let pid = tower_idempotency::sqlx::query_scalar("SELECT pg_backend_pid()");
+        pid.fetch_one(&mut **self).await.expect("the backend's pid")
+    }
+}
+
+/// The orders service: each execution inserts one row of `orders` in its transaction;
+/// headers choose the rest.
+#[derive(Clone)]
+struct Orders {
+    table: String,
+    executions: Arc<AtomicUsize>,
+    /// Requests with `x-wait` wait here for a permit the test hands out.
+    gate: Arc<Semaphore>,
+    /// The backend pid of each execution that sent `x-pid`.
+    pids: Arc<Mutex<Vec<i32>>>,
+}
+
+/// Inserts the order, then: `x-pid` records the connection's backend, `x-wait` waits at the
+/// gate, `x-then` runs more SQL (answering `500` if it fails, with `x-check`),
+/// `x-sleep-ms` sleeps, `x-panic` panics, and `x-status` is the answer (default `201`).
+async fn create_order<L: Ledger>(
+    State(orders): State<Orders>,
+    headers: HeaderMap,
+    mut tx: L,
+) -> Response {
+    let n = orders.executions.fetch_add(1, Ordering::SeqCst) + 1;
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let id = format!("ord_{n}");
+    let insert = format!("INSERT INTO {} (id) VALUES ('{id}')", orders.table);
+    if let Err(error) = tx.run(insert).await {
+        return (StatusCode::INTERNAL_SERVER_ERROR, error).into_response();
+    }
+    if header("x-pid").is_some() {
+        let pid = tx.pid().await;
+        orders.pids.lock().unwrap().push(pid);
+    }
+    if header("x-wait").is_some() {
+        orders.gate.acquire().await.unwrap().forget();
+    }
+    if let Some(sql) = header("x-then") {
+        let done = tx.run(sql.to_owned()).await;
+        if done.is_err() && header("x-check").is_some() {
+            return (StatusCode::INTERNAL_SERVER_ERROR, "the statement failed").into_response();
+        }
+    }
+    if let Some(ms) = header("x-sleep-ms") {
+        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+    }
+    if header("x-panic").is_some() {
+        panic!("the handler panicked on purpose");
+    }
+    let status = header("x-status").map_or(StatusCode::CREATED, |s| s.parse().unwrap());
+    (status, Json(serde_json::json!({ "id": id }))).into_response()
+}
+
+/// The orders service behind a transactional layer on `store`, its ledger table created.
+struct Service {
+    app: Router,
+    orders: Orders,
+    store: PostgresStore,
+    client: tokio_postgres::Client,
+}
+
+impl Service {
+    async fn new(driver: Driver) -> Self {
+        Self::on(driver, driver.transactional().await).await
+    }
+
+    async fn on(driver: Driver, store: PostgresStore) -> Self {
+        let client = support::store_client(&support::database_url()).await;
+        let table = format!(
+            "{}.orders_{:016x}",
+            support::TEST_SCHEMA,
+            rand::random::<u64>()
+        );
+        client
+            .batch_execute(&format!("CREATE TABLE {table} (id TEXT PRIMARY KEY)"))
+            .await
+            .expect("the orders table");
+        let orders = Orders {
+            table,
+            executions: Arc::default(),
+            gate: Arc::new(Semaphore::new(0)),
+            pids: Arc::default(),
+        };
+        let route = match driver {
+            Driver::TokioPostgres => post(create_order::<PostgresTransaction>),
+            Driver::Sqlx => post(create_order::<SqlxTransaction>),
+        };
+        let layer = IdempotencyLayer::new(store.clone())
+            .allow_anonymous()
+            .lease(Duration::from_secs(60));
+        let app = Router::new()
+            .route("/orders", route.layer(layer))
+            .with_state(orders.clone())
+            // Outside the layer, as a server's would be: the layer releases, then this answers.
+            .layer(CatchPanicLayer::new());
+        Self {
+            app,
+            orders,
+            store,
+            client,
+        }
+    }
+
+    async fn send(&self, key: &str, headers: &[(&str, &str)]) -> Answer {
+        let mut req = request("/orders").key(key).body("{}");
+        for (name, value) in headers {
+            req = req.header(name, value);
+        }
+        send(&self.app, req).await
+    }
+
+    fn spawn(&self, key: &str, headers: &[(&str, &str)]) -> tokio::task::JoinHandle<Answer> {
+        let mut req = request("/orders").key(key).body("{}");
+        for (name, value) in headers {
+            req = req.header(name, value);
+        }
+        let app = self.app.clone();
+        tokio::spawn(async move { send(&app, req).await })
+    }
+
+    /// How many orders are committed.
+    async fn rows(&self) -> i64 {
+        let sql = format!("SELECT count(*) FROM {}", self.orders.table);
+        self.client.query_one(&sql, &[]).await.unwrap().get(0)
+    }
+
+    /// The idempotency table's rows: (completed, in progress).
+    async fn records(&self) -> (i64, i64) {
+        let sql = format!(
+            "SELECT count(*) FILTER (WHERE status = 'completed'),
+                count(*) FILTER (WHERE status = 'in_progress') FROM {}",
+            self.store.table_name()
+        );
+        let row = self.client.query_one(&sql, &[]).await.unwrap();
+        (row.get(0), row.get(1))
+    }
+
+    async fn until_executing(&self, n: usize) {
+        for _ in 0..500 {
+            if self.orders.executions.load(Ordering::SeqCst) >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{n} executions never started");
+    }
+
+    /// Once `n` executions are running and at least as many pids are known, the last.
+    async fn pid_of_execution(&self, n: usize) -> i32 {
+        for _ in 0..500 {
+            if let Some(pid) = self.orders.pids.lock().unwrap().get(n - 1) {
+                return *pid;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("execution {n} never told its pid");
+    }
+}
+
+fn retry_after(answer: &Answer) -> u64 {
+    let value = answer.headers.get("retry-after").expect("Retry-After");
+    value.to_str().unwrap().parse().unwrap()
+}
+
+async fn recorded_outcomes_commit_the_handlers_writes_and_released_ones_roll_them_back(
+    driver: Driver,
+) {
+    let service = Service::new(driver).await;
+    // A success commits its row with its record, once.
+    let first = service.send("created", &[]).await;
+    first.assert_executed();
+    assert_eq!(service.rows().await, 1);
+    let replay = service.send("created", &[]).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    // A decline is a result: its row commits too, and it replays.
+    let declined = service.send("declined", &[("x-status", "402")]).await;
+    assert_eq!(declined.status, StatusCode::PAYMENT_REQUIRED);
+    assert_eq!(service.rows().await, 2);
+    assert!(service.send("declined", &[]).await.replayed());
+    // A server error releases the key: its row is rolled back with the claim.
+    let failed = service.send("failed", &[("x-status", "500")]).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(service.rows().await, 2);
+    // So does a panic.
+    let panicked = service.send("panicked", &[("x-panic", "1")]).await;
+    assert_eq!(panicked.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(service.rows().await, 2);
+    // Their retries execute, once each.
+    service.send("failed", &[]).await.assert_executed();
+    service.send("panicked", &[]).await.assert_executed();
+    assert_eq!(service.rows().await, 4);
+    assert_eq!(service.orders.executions.load(Ordering::SeqCst), 6);
+    // Nothing is left in progress, nor open.
+    assert_eq!(service.records().await, (4, 0));
+    assert_eq!(service.store.open_transactions(), 0);
+}
+
+async fn a_duplicate_is_answered_at_once_while_the_original_runs(driver: Driver) {
+    let service = Service::new(driver).await;
+    let original = service.spawn("held", &[("x-wait", "1")]);
+    service.until_executing(1).await;
+    // Answered while the original holds its uncommitted row: a duplicate that queued behind
+    // it would not be answered before the gate opens.
+    let bounded = Duration::from_secs(5);
+    let duplicate = tokio::time::timeout(bounded, service.send("held", &[])).await;
+    let duplicate = duplicate.expect("the duplicate was not answered while the original ran");
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+    assert_eq!(duplicate.error(), "request_in_progress");
+    assert!((1..=2).contains(&retry_after(&duplicate)));
+    // Another body under the key is told so while the original runs.
+    let mut reused = request("/orders").key("held").body("{\"other\":1}");
+    reused = reused.header("content-type", "application/json");
+    let reused = tokio::time::timeout(bounded, send(&service.app, reused)).await;
+    let reused = reused.expect("the reuse was not answered while the original ran");
+    assert_eq!(
+        reused.error(),
+        "idempotency_key_reused_with_different_params"
+    );
+    service.orders.gate.add_permits(1);
+    original.await.unwrap().assert_executed();
+    assert!(service.send("held", &[]).await.replayed());
+    assert_eq!(service.rows().await, 1);
+    assert_eq!(service.orders.executions.load(Ordering::SeqCst), 1);
+}
+
+async fn an_exhausted_pool_answers_503_with_retry_after(driver: Driver) {
+    let url = support::database_url();
+    // One connection for the transactions: the first execution holds it.
+    let store = match driver {
+        Driver::TokioPostgres => {
+            let config: tokio_postgres::Config = url.parse().unwrap();
+            let pool = Pool::builder(Manager::new(config, tokio_postgres::NoTls))
+                .max_size(1)
+                .wait_timeout(Some(Duration::from_millis(300)))
+                .runtime(Runtime::Tokio1)
+                .build()
+                .unwrap();
+            PostgresStore::new(pool).transactional()
+        }
+        Driver::Sqlx => {
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(Duration::from_millis(300))
+                .connect(&url)
+                .await
+                .unwrap();
+            let store = PostgresStore::connect(&url).await.unwrap();
+            store.transactional_sqlx(pool)
+        }
+    };
+    let service = Service::on(driver, support::on_own_table(store).await).await;
+    let original = service.spawn("first", &[("x-wait", "1")]);
+    service.until_executing(1).await;
+    let refused = tokio::time::timeout(Duration::from_secs(10), service.send("second", &[])).await;
+    let refused = refused.expect("a request waited for a connection without bound");
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    assert_eq!(refused.error(), "idempotency_store_unavailable");
+    assert!(retry_after(&refused) >= 1);
+    service.orders.gate.add_permits(1);
+    original.await.unwrap().assert_executed();
+    // With the connection back, the refused request executes on its retry.
+    service.send("second", &[]).await.assert_executed();
+    assert_eq!(service.rows().await, 2);
+}
+
+async fn a_backend_terminated_mid_handler_frees_the_key_and_commits_nothing(driver: Driver) {
+    let service = Service::new(driver).await;
+    // The handler ignores what fails after its insert, and answers 201 regardless.
+    let original = service.spawn(
+        "terminated",
+        &[("x-pid", "1"), ("x-wait", "1"), ("x-then", "SELECT 1")],
+    );
+    let pid = service.pid_of_execution(1).await;
+    let terminated = service
+        .client
+        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    assert!(terminated.get::<_, bool>(0));
+    // The database rolled the transaction back and let go of its locks: the retry executes
+    // at once, though the lease runs a minute and the first handler has not ended.
+    let mut retried = None;
+    for _ in 0..100 {
+        let answer = service.send("terminated", &[]).await;
+        if answer.status == StatusCode::CREATED {
+            retried = Some(answer);
+            break;
+        }
+        assert_eq!(answer.error(), "request_in_progress", "{answer:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    retried.expect("the retry never executed").assert_executed();
+    // The first handler's 201 cannot commit: its client is told to retry, not that it worked.
+    service.orders.gate.add_permits(1);
+    let original = original.await.unwrap();
+    assert_eq!(
+        original.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{original:?}"
+    );
+    assert_eq!(original.error(), "idempotency_store_unavailable");
+    assert_eq!(service.rows().await, 1);
+    assert!(service.send("terminated", &[]).await.replayed());
+    assert_eq!(service.records().await, (1, 0));
+}
+
+async fn a_statement_timeout_fails_the_statement_and_nothing_commits(driver: Driver) {
+    let service = Service::new(driver).await;
+    let timed_out = [
+        (
+            "x-then",
+            "SET LOCAL statement_timeout = '50ms'; SELECT pg_sleep(2)",
+        ),
+        ("x-check", "1"),
+    ];
+    let answer = service.send("slow", &timed_out).await;
+    // The handler's own error answer, released with its insert.
+    assert_eq!(
+        answer.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{answer:?}"
+    );
+    assert_eq!(service.rows().await, 0);
+    assert_eq!(service.records().await, (0, 0));
+    service.send("slow", &[]).await.assert_executed();
+    assert_eq!(service.rows().await, 1);
+}
+
+async fn a_handler_past_the_idle_in_transaction_timeout_gets_503(driver: Driver) {
+    let service = Service::new(driver).await;
+    let idle = [
+        (
+            "x-then",
+            "SET LOCAL idle_in_transaction_session_timeout = '100ms'",
+        ),
+        ("x-sleep-ms", "600"),
+    ];
+    // The database closed the connection while the handler slept: its 201 cannot commit.
+    let answer = service.send("idle", &idle).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+    assert_eq!(answer.error(), "idempotency_store_unavailable");
+    assert!(retry_after(&answer) >= 1);
+    assert_eq!(service.rows().await, 0);
+    service.send("idle", &[]).await.assert_executed();
+    assert_eq!(service.rows().await, 1);
+    assert!(service.send("idle", &[]).await.replayed());
+}

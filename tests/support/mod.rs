@@ -175,7 +175,15 @@ pub async fn postgres_store() -> tower_idempotency::PostgresStore {
     let store = tower_idempotency::PostgresStore::connect(&url)
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {url} (set DATABASE_URL): {e}"));
-    let client = store_client(&url).await;
+    on_own_table(store).await
+}
+
+/// `store` on a table of its own in the test schema, migrated.
+#[cfg(feature = "postgres")]
+pub async fn on_own_table(
+    store: tower_idempotency::PostgresStore,
+) -> tower_idempotency::PostgresStore {
+    let client = store_client(&database_url()).await;
     // Parallel tests race to create the schema: one wins, the others see it exist.
     for _ in 0..5 {
         let created = client
