@@ -3,7 +3,32 @@
 #[macro_use]
 mod support;
 
+use std::{
+    future::Future,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use axum::{
+    extract::State,
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+    routing::post,
+    Json, Router,
+};
+use support::app::{post as request, send, Answer};
 use support::Driver;
+use tokio::sync::Semaphore;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_idempotency::{
+    deadpool_postgres::{Manager, Pool, Runtime},
+    sqlx::postgres::PgPoolOptions,
+    transaction::{PostgresTransaction, SqlxTransaction},
+    IdempotencyLayer, PostgresStore,
+};
 
 /// The conformance cases that apply to a transactional store, one test per case and driver:
 /// all but the three whose holder's lease runs out (`in_progress_record_lives_for_its_lease`,
@@ -49,32 +74,6 @@ conformance!(
 // ---------------------------------------------------------------------------------------
 // The handler's writes, through the layer.
 // ---------------------------------------------------------------------------------------
-
-use std::{
-    future::Future,
-    sync::{
-        atomic::{AtomicUsize, Ordering},
-        Arc, Mutex,
-    },
-    time::Duration,
-};
-
-use axum::{
-    extract::State,
-    http::{HeaderMap, StatusCode},
-    response::{IntoResponse, Response},
-    routing::post,
-    Json, Router,
-};
-use support::app::{post as request, send, Answer};
-use tokio::sync::Semaphore;
-use tower_http::catch_panic::CatchPanicLayer;
-use tower_idempotency::{
-    deadpool_postgres::{Manager, Pool, Runtime},
-    sqlx::postgres::PgPoolOptions,
-    transaction::{PostgresTransaction, SqlxTransaction},
-    IdempotencyLayer, PostgresStore,
-};
 
 /// Runs each listed `async fn case(driver: Driver)` on both drivers.
 macro_rules! on_both_drivers {
