@@ -129,6 +129,197 @@ async fn postgres_ledger_rows_written_before_a_crash_are_written_again_by_the_re
     );
 }
 
+/// The same crash in the transactional mode: the rows of the payments killed in flight were
+/// rolled back with their claims, and each retry, at once, writes the one row its payment
+/// has.
+#[cfg(feature = "sqlx")]
+#[tokio::test]
+async fn postgres_transactional_ledger_rows_are_written_once_across_a_crash() {
+    const IN_FLIGHT: usize = 5;
+    let database = Database::create().await;
+    let lease = CRASH_LEASE_SECS.to_string();
+    let env = [
+        ("DATABASE_URL", database.url()),
+        ("PAYMENTS_LEDGER", "postgres"),
+        ("IDEMPOTENCY_TRANSACTIONAL", "1"),
+        ("IDEMPOTENCY_LEASE_SECS", &lease),
+        ("IDEMPOTENCY_TTL_SECS", TTL_SECS),
+    ];
+    let mut a = ExampleProcess::start(&env).await;
+    let b = a.start_another().await;
+    let charge = serde_json::json!({
+        "amount": 1999, "currency": "usd", "simulate": "slow_after", "delay_ms": 5000
+    });
+    let keys: Vec<String> = (0..IN_FLIGHT).map(|_| fresh_key()).collect();
+    let firsts: Vec<_> = keys
+        .iter()
+        .map(|key| a.api().pay_in_background(key, "carol", &charge))
+        .collect();
+    let ledger = support::store_client(database.url()).await;
+    // Uncommitted rows are invisible: each transaction that inserted one holds the table's
+    // row-exclusive lock until it ends.
+    eventually_within(DEADLINE, "every row inserted", async || {
+        let row = ledger.query_one(
+            "SELECT count(*) FROM pg_locks
+             WHERE relation = 'payments'::regclass AND mode = 'RowExclusiveLock' AND granted",
+            &[],
+        );
+        let inserting: i64 = row.await.expect("pg_locks").get(0);
+        (inserting == IN_FLIGHT as i64).then_some(())
+    })
+    .await;
+    a.kill();
+    for first in firsts {
+        assert!(first.await.is_err(), "the killed process answered");
+    }
+    let rows = async || -> i64 {
+        let row = ledger.query_one("SELECT count(*) FROM payments", &[]);
+        row.await.expect("the ledger").get(0)
+    };
+    assert_eq!(rows().await, 0, "a killed transaction committed its row");
+
+    // The database rolled A's transactions back as its connections closed: B executes the
+    // retries without waiting for a lease.
+    let retries = keys.iter().map(|key| {
+        let (api, charge) = (b.api().clone(), charge.clone());
+        async move {
+            eventually_within(DEADLINE, "A's transactions to end", async || {
+                let reply = api.pay(key, "carol", &charge).await;
+                if reply.error_code().as_deref() == Some("request_in_progress") {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    return None;
+                }
+                Some(reply)
+            })
+            .await
+        }
+    });
+    for reply in futures_util::future::join_all(retries).await {
+        reply.assert_fresh();
+        reply.assert_payment(1999, "usd");
+    }
+    assert_eq!(
+        rows().await,
+        IN_FLIGHT as i64,
+        "each payment in flight at the crash has one ledger row"
+    );
+    assert_ledger_matches_records(&ledger).await;
+}
+
+/// Payments under retrying load on two instances, one of them killed three times at
+/// arbitrary points (between a handler's insert and its commit, between a commit and its
+/// answer, anywhere) and started again: every payment ends answered `201`, and the ledger
+/// holds exactly one row per payment, the one its answer names.
+#[cfg(feature = "sqlx")]
+#[tokio::test]
+async fn postgres_transactional_payments_under_retrying_load_survive_kills_exactly_once() {
+    const CLIENTS: usize = 8;
+    let database = Database::create().await;
+    let env = [
+        ("DATABASE_URL", database.url()),
+        ("PAYMENTS_LEDGER", "postgres"),
+        ("IDEMPOTENCY_TRANSACTIONAL", "1"),
+        ("IDEMPOTENCY_TTL_SECS", TTL_SECS),
+    ];
+    let b = ExampleProcess::start(&env).await;
+    let mut a = b.start_another().await;
+    let a_api = std::sync::Arc::new(std::sync::Mutex::new(a.api().clone()));
+    // A little work after the insert widens the window between it and the commit.
+    let charge = serde_json::json!({
+        "amount": 500, "currency": "usd", "simulate": "slow_after", "delay_ms": 30
+    });
+    // The clients start payments until the kills are over.
+    let killing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let clients = (0..CLIENTS).map(|_| {
+        let (a_api, b_api, charge) = (a_api.clone(), b.api().clone(), charge.clone());
+        let killing = killing.clone();
+        tokio::spawn(async move {
+            let mut answered = Vec::new();
+            while killing.load(std::sync::atomic::Ordering::Relaxed) {
+                let key = fresh_key();
+                // First to A, whichever A is alive; retries alternate with B.
+                let mut attempt = 0;
+                let reply = loop {
+                    let api = if attempt % 2 == 0 {
+                        a_api.lock().unwrap().clone()
+                    } else {
+                        b_api.clone()
+                    };
+                    attempt += 1;
+                    assert!(attempt < 400, "payment {key} was never answered 201");
+                    let post = api.post("/v1/payments").key(&key).user("dave");
+                    match post.json(&charge).try_send().await {
+                        Some(reply) if reply.status.as_u16() == 201 => break reply,
+                        // 409 in progress, 503 (a commit that failed), or a dead instance.
+                        _ => tokio::time::sleep(Duration::from_millis(25)).await,
+                    }
+                };
+                answered.push((key, reply.assert_payment(500, "usd")));
+            }
+            answered
+        })
+    });
+    let clients: Vec<_> = clients.collect();
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        a.kill();
+        a = b.start_another().await;
+        *a_api.lock().unwrap() = a.api().clone();
+    }
+    killing.store(false, std::sync::atomic::Ordering::Relaxed);
+    let mut ids = Vec::new();
+    for client in clients {
+        ids.extend(
+            client
+                .await
+                .expect("a client")
+                .into_iter()
+                .map(|(_, id)| id),
+        );
+    }
+    ids.sort();
+    let ledger = support::store_client(database.url()).await;
+    let rows = ledger
+        .query("SELECT id FROM payments ORDER BY id", &[])
+        .await
+        .expect("the ledger");
+    let rows: Vec<String> = rows.iter().map(|row| row.get(0)).collect();
+    let extra: Vec<_> = rows
+        .iter()
+        .filter(|id| ids.binary_search(id).is_err())
+        .collect();
+    assert!(
+        rows == ids,
+        "the ledger holds {} rows for {} payments answered; rows no answer names: {extra:?}",
+        rows.len(),
+        ids.len()
+    );
+    assert_ledger_matches_records(&ledger).await;
+}
+
+/// Every ledger row is a completed operation's, and every completed payment has one row.
+#[cfg(feature = "sqlx")]
+async fn assert_ledger_matches_records(ledger: &tokio_postgres::Client) {
+    let row = ledger
+        .query_one(
+            "SELECT
+                (SELECT count(*) FROM payments p WHERE NOT EXISTS (
+                    SELECT 1 FROM public.idempotency_keys k
+                    WHERE k.resource_id = p.id AND k.status = 'completed')),
+                (SELECT count(*) FROM public.idempotency_keys k
+                 WHERE k.status = 'completed' AND k.endpoint LIKE '%/v1/payments'
+                   AND NOT EXISTS (SELECT 1 FROM payments p WHERE p.id = k.resource_id)),
+                (SELECT count(*) FROM public.idempotency_keys WHERE status = 'in_progress')",
+            &[],
+        )
+        .await
+        .expect("the ledger and the records");
+    let (orphans, unwritten, in_progress): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(orphans, 0, "ledger rows that belong to no operation");
+    assert_eq!(unwritten, 0, "completed payments without their ledger row");
+    assert_eq!(in_progress, 0, "claims committed in progress");
+}
+
 // ---------------------------------------------------------------------------------------
 // The crash, on any store.
 // ---------------------------------------------------------------------------------------

@@ -30,7 +30,10 @@ use processor::Processor;
 #[path = "ledger.rs"]
 pub mod ledger;
 #[cfg(feature = "postgres")]
-use ledger::Ledger;
+use ledger::{LayerTransaction, Ledger};
+/// Without a ledger there is no transaction to take either.
+#[cfg(not(feature = "postgres"))]
+type LayerTransaction = ();
 
 /// What the handlers share: the counters, the ledger payments are written to, and the
 /// processor they are charged at.
@@ -239,6 +242,7 @@ async fn create_payment(
     State(app): State<App>,
     keys: Option<DerivedKeys>,
     Authorization(authorization): Authorization,
+    mut transaction: LayerTransaction,
     ChargeBody(charge): ChargeBody,
 ) -> Response {
     let stats = &app.stats;
@@ -247,7 +251,7 @@ async fn create_payment(
     match charge.simulate {
         Some(Simulate::Error) => {
             // With a ledger, the row first: a failure after the payment's own writes.
-            if let Err(failed) = app.record(&id, &charge).await {
+            if let Err(failed) = app.record(&mut transaction, &id, &charge).await {
                 return failed;
             }
             return (
@@ -257,7 +261,7 @@ async fn create_payment(
                 .into_response();
         }
         Some(Simulate::Decline) => {
-            if let Err(failed) = app.record(&id, &charge).await {
+            if let Err(failed) = app.record(&mut transaction, &id, &charge).await {
                 return failed;
             }
             return (
@@ -271,7 +275,7 @@ async fn create_payment(
         }
         Some(Simulate::SlowAfter) | None => {}
     }
-    if let Err(failed) = app.record(&id, &charge).await {
+    if let Err(failed) = app.record(&mut transaction, &id, &charge).await {
         return failed;
     }
     #[cfg(feature = "client")]
@@ -307,17 +311,25 @@ async fn create_payment(
 
 impl App {
     /// Writes payment `id` to the ledger, if there is one; a failure is the answer.
-    async fn record(&self, id: &str, charge: &Charge) -> Result<(), Response> {
+    async fn record(
+        &self,
+        transaction: &mut LayerTransaction,
+        id: &str,
+        charge: &Charge,
+    ) -> Result<(), Response> {
         #[cfg(feature = "postgres")]
         if let Some(ledger) = &self.ledger {
-            if let Err(error) = ledger.record(id, charge.amount, &charge.currency).await {
+            let recorded = ledger
+                .record(transaction, id, charge.amount, &charge.currency)
+                .await;
+            if let Err(error) = recorded {
                 tracing::error!(%error, "could not write the payment to the ledger");
                 let body = Json(json!({ "error": "ledger_unavailable" }));
                 return Err((StatusCode::INTERNAL_SERVER_ERROR, body).into_response());
             }
         }
         #[cfg(not(feature = "postgres"))]
-        let _ = (id, charge);
+        let _ = (transaction, id, charge);
         Ok(())
     }
 }

@@ -1,10 +1,15 @@
 //! The example's ledger (`PAYMENTS_LEDGER=postgres`): a row of table `payments` for every
 //! payment it executes, in the database `DATABASE_URL` names. Without the transactional
 //! mode each insert commits on its own, apart from the idempotency record: a process that
-//! dies between the two leaves the row, and the retry adds another.
+//! dies between the two leaves the row, and the retry adds another. With it
+//! (`IDEMPOTENCY_TRANSACTIONAL=1`), the insert runs in the layer's transaction and commits
+//! with the record, or not at all.
 
+use axum::{extract::FromRequestParts, http::request::Parts};
 use tower_idempotency::deadpool_postgres::tokio_postgres::{Config, NoTls};
 use tower_idempotency::deadpool_postgres::{Manager, Pool, Runtime};
+#[cfg(feature = "sqlx")]
+use tower_idempotency::transaction::SqlxTransaction;
 
 /// The table, created at start when missing.
 const CREATE: &str = "CREATE TABLE IF NOT EXISTS payments (
@@ -51,14 +56,57 @@ impl Ledger {
         Ok(Self { pool })
     }
 
-    /// Records payment `id`, committed at once.
-    pub async fn record(&self, id: &str, amount: i64, currency: &str) -> Result<(), String> {
-        let client = self.pool.get().await.map_err(|error| error.to_string())?;
+    /// Records payment `id`: in the layer's transaction where there is one, else committed
+    /// at once.
+    pub async fn record(
+        &self,
+        transaction: &mut LayerTransaction,
+        id: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<(), String> {
         let insert = "INSERT INTO payments (id, amount, currency) VALUES ($1, $2, $3)";
+        #[cfg(feature = "sqlx")]
+        if let Some(transaction) = &mut transaction.0 {
+            let inserted = tower_idempotency::sqlx::query(insert)
+                .bind(id)
+                .bind(amount)
+                .bind(currency)
+                .execute(&mut **transaction)
+                .await;
+            return inserted.map(drop).map_err(|error| error.to_string());
+        }
+        #[cfg(not(feature = "sqlx"))]
+        let _ = transaction;
+        let client = self.pool.get().await.map_err(|error| error.to_string())?;
         client
             .execute(insert, &[&id, &amount, &currency])
             .await
             .map_err(|error| error.to_string())?;
         Ok(())
+    }
+}
+
+/// The layer's transaction, when the transactional mode hands one to the request (feature
+/// `sqlx`); none otherwise.
+pub struct LayerTransaction(#[cfg(feature = "sqlx")] Option<SqlxTransaction>);
+
+impl<S: Send + Sync> FromRequestParts<S> for LayerTransaction {
+    type Rejection = std::convert::Infallible;
+
+    #[cfg_attr(not(feature = "sqlx"), allow(unused_variables))]
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        #[cfg(feature = "sqlx")]
+        {
+            use axum::extract::OptionalFromRequestParts;
+            let transaction =
+                <SqlxTransaction as OptionalFromRequestParts<S>>::from_request_parts(parts, state)
+                    .await
+                    .ok()
+                    .flatten();
+            Ok(Self(transaction))
+        }
+        #[cfg(not(feature = "sqlx"))]
+        Ok(Self())
     }
 }

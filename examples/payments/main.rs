@@ -26,7 +26,10 @@
 //! number from it; `PAYMENTS_PROCESSOR_URL` names a processor (another instance) each
 //! payment also charges, through the crate's client, with a key derived from the
 //! payment's own (feature `client`); `PAYMENTS_LEDGER=postgres` writes each payment to
-//! table `payments` in the `DATABASE_URL` database (feature `postgres`). `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
+//! table `payments` in the `DATABASE_URL` database (feature `postgres`);
+//! `IDEMPOTENCY_TRANSACTIONAL=1` runs each execution in a transaction of the `DATABASE_URL`
+//! database, on an sqlx pool (feature `sqlx`), in which the ledger's row commits with the
+//! record. `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
 //! filters the logs (default `info`).
 
 mod app;
@@ -75,15 +78,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         settings.wait = Some(Duration::from_millis(millis));
     }
     settings.fail_open = std::env::var("IDEMPOTENCY_FAIL_OPEN").as_deref() == Ok("1");
-    if std::env::var_os("IDEMPOTENCY_TRANSACTIONAL").is_some() {
-        // Refused rather than ignored: a ledger row committed apart from its record can be
-        // written twice, which is what this setting is asked for to prevent.
-        return Err(
-            "IDEMPOTENCY_TRANSACTIONAL: the transactional PostgreSQL mode is not \
-                    built yet"
-                .into(),
-        );
-    }
     if let Ok(ledger) = std::env::var("PAYMENTS_LEDGER") {
         if ledger != "postgres" {
             return Err(format!("PAYMENTS_LEDGER={ledger}: only postgres is known").into());

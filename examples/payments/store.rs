@@ -26,8 +26,10 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             records => Arc::new(CachedStore::from_shared(store, records)),
         }
     };
-    // With a ledger, the records go to the ledger's database, whatever else is set.
-    let ledger = std::env::var_os("PAYMENTS_LEDGER").is_some();
+    let transactional = transactional_from_env()?;
+    // With a ledger or the transactional mode, the records go to the database, whatever
+    // else is set.
+    let ledger = std::env::var_os("PAYMENTS_LEDGER").is_some() || transactional;
     #[cfg(feature = "redis")]
     if !ledger {
         if let Some(redis) = redis_store().await? {
@@ -61,12 +63,50 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             }
             store.migrate().await?;
             store.spawn_purge(Duration::from_secs(3600));
+            if transactional {
+                store = transactional_store(store, &url).await?;
+            }
             return Ok(shared(Arc::new(store)));
         }
         #[cfg(not(feature = "postgres"))]
         tracing::warn!(%url, "DATABASE_URL is set, but this build has no `postgres` feature: using memory");
     }
+    if transactional {
+        return Err("IDEMPOTENCY_TRANSACTIONAL=1 needs DATABASE_URL".into());
+    }
     Ok(Arc::new(MemoryStore::new()))
+}
+
+/// Whether `IDEMPOTENCY_TRANSACTIONAL=1` asks for the transactional PostgreSQL mode.
+fn transactional_from_env() -> Result<bool, String> {
+    match std::env::var("IDEMPOTENCY_TRANSACTIONAL") {
+        Ok(value) if value == "1" => Ok(true),
+        Ok(value) => Err(format!("IDEMPOTENCY_TRANSACTIONAL={value}: expected 1")),
+        Err(_) => Ok(false),
+    }
+}
+
+/// `store` in the transactional mode, its executions' transactions on an sqlx pool of the
+/// database at `url`: sized for the executions that run at once, two instances to a
+/// database of PostgreSQL's default 100 connections.
+#[cfg(feature = "postgres")]
+async fn transactional_store(
+    store: tower_idempotency::PostgresStore,
+    url: &str,
+) -> Result<tower_idempotency::PostgresStore, Box<dyn std::error::Error>> {
+    #[cfg(feature = "sqlx")]
+    {
+        let pool = tower_idempotency::sqlx::postgres::PgPoolOptions::new()
+            .max_connections(24)
+            .connect(url)
+            .await?;
+        Ok(store.transactional_sqlx(pool))
+    }
+    #[cfg(not(feature = "sqlx"))]
+    {
+        let _ = (store, url);
+        Err("IDEMPOTENCY_TRANSACTIONAL=1, but this build has no `sqlx` feature".into())
+    }
 }
 
 /// The Redis store the environment names, if any: a cluster, a Sentinel-managed primary or
