@@ -51,6 +51,15 @@ macro_rules! conformance {
                 tower_idempotency::conformance::$case(&store).await;
             })*
         }
+        // Counted replays are read outside the transaction, where the tokio-postgres
+        // driver otherwise reads in it.
+        mod postgres_counting_conformance {
+            $(#[tokio::test]
+            async fn $case() {
+                let store = super::Driver::TokioPostgres.transactional().await.count_replays();
+                tower_idempotency::conformance::$case(&store).await;
+            })*
+        }
     };
 }
 
@@ -100,6 +109,7 @@ on_both_drivers!(
     a_backend_terminated_mid_handler_frees_the_key_and_commits_nothing,
     a_statement_timeout_fails_the_statement_and_nothing_commits,
     a_handler_past_the_idle_in_transaction_timeout_gets_503,
+    counted_replays_are_committed,
 );
 
 /// What the test handler does in its transaction, on either driver.
@@ -487,4 +497,20 @@ async fn a_handler_past_the_idle_in_transaction_timeout_gets_503(driver: Driver)
     service.send("idle", &[]).await.assert_executed();
     assert_eq!(service.rows().await, 1);
     assert!(service.send("idle", &[]).await.replayed());
+}
+
+async fn counted_replays_are_committed(driver: Driver) {
+    let store = driver.transactional().await.count_replays();
+    let service = Service::on(driver, store).await;
+    service.send("counted", &[]).await.assert_executed();
+    for _ in 0..2 {
+        assert!(service.send("counted", &[]).await.replayed());
+    }
+    let sql = format!(
+        "SELECT replay_count FROM {} WHERE idempotency_key = 'counted'",
+        service.store.table_name()
+    );
+    let counted: i64 = service.client.query_one(&sql, &[]).await.unwrap().get(0);
+    assert_eq!(counted, 2);
+    assert_eq!(service.rows().await, 1);
 }

@@ -8,6 +8,7 @@
 use axum::{extract::FromRequestParts, http::request::Parts};
 use tower_idempotency::deadpool_postgres::tokio_postgres::{Config, NoTls};
 use tower_idempotency::deadpool_postgres::{Manager, Pool, Runtime};
+use tower_idempotency::transaction::PostgresTransaction;
 #[cfg(feature = "sqlx")]
 use tower_idempotency::transaction::SqlxTransaction;
 
@@ -66,18 +67,25 @@ impl Ledger {
         currency: &str,
     ) -> Result<(), String> {
         let insert = "INSERT INTO payments (id, amount, currency) VALUES ($1, $2, $3)";
-        #[cfg(feature = "sqlx")]
-        if let Some(transaction) = &mut transaction.0 {
-            let inserted = tower_idempotency::sqlx::query(insert)
-                .bind(id)
-                .bind(amount)
-                .bind(currency)
-                .execute(&mut **transaction)
-                .await;
-            return inserted.map(drop).map_err(|error| error.to_string());
+        match transaction {
+            #[cfg(feature = "sqlx")]
+            LayerTransaction::Sqlx(transaction) => {
+                let inserted = tower_idempotency::sqlx::query(insert)
+                    .bind(id)
+                    .bind(amount)
+                    .bind(currency)
+                    .execute(&mut **transaction)
+                    .await;
+                return inserted.map(drop).map_err(|error| error.to_string());
+            }
+            LayerTransaction::TokioPostgres(transaction) => {
+                let inserted = transaction
+                    .execute(insert, &[&id, &amount, &currency])
+                    .await;
+                return inserted.map(drop).map_err(|error| error.to_string());
+            }
+            LayerTransaction::None => {}
         }
-        #[cfg(not(feature = "sqlx"))]
-        let _ = transaction;
         let client = self.pool.get().await.map_err(|error| error.to_string())?;
         client
             .execute(insert, &[&id, &amount, &currency])
@@ -87,26 +95,34 @@ impl Ledger {
     }
 }
 
-/// The layer's transaction, when the transactional mode hands one to the request (feature
-/// `sqlx`); none otherwise.
-pub struct LayerTransaction(#[cfg(feature = "sqlx")] Option<SqlxTransaction>);
+/// The layer's transaction, when the transactional mode hands one to the request: an sqlx
+/// one (`IDEMPOTENCY_TRANSACTIONAL=1`, feature `sqlx`) or a tokio-postgres one
+/// (`IDEMPOTENCY_TRANSACTIONAL=tokio-postgres`).
+pub enum LayerTransaction {
+    None,
+    #[cfg(feature = "sqlx")]
+    Sqlx(SqlxTransaction),
+    TokioPostgres(PostgresTransaction),
+}
 
 impl<S: Send + Sync> FromRequestParts<S> for LayerTransaction {
     type Rejection = std::convert::Infallible;
 
-    #[cfg_attr(not(feature = "sqlx"), allow(unused_variables))]
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        use axum::extract::OptionalFromRequestParts;
         #[cfg(feature = "sqlx")]
         {
-            use axum::extract::OptionalFromRequestParts;
-            let transaction =
-                <SqlxTransaction as OptionalFromRequestParts<S>>::from_request_parts(parts, state)
-                    .await
-                    .ok()
-                    .flatten();
-            Ok(Self(transaction))
+            let sqlx =
+                <SqlxTransaction as OptionalFromRequestParts<S>>::from_request_parts(parts, state);
+            if let Ok(Some(transaction)) = sqlx.await {
+                return Ok(Self::Sqlx(transaction));
+            }
         }
-        #[cfg(not(feature = "sqlx"))]
-        Ok(Self())
+        let tokio_postgres =
+            <PostgresTransaction as OptionalFromRequestParts<S>>::from_request_parts(parts, state);
+        Ok(match tokio_postgres.await {
+            Ok(Some(transaction)) => Self::TokioPostgres(transaction),
+            _ => Self::None,
+        })
     }
 }

@@ -28,8 +28,8 @@
 //! payment's own (feature `client`); `PAYMENTS_LEDGER=postgres` writes each payment to
 //! table `payments` in the `DATABASE_URL` database (feature `postgres`);
 //! `IDEMPOTENCY_TRANSACTIONAL=1` runs each execution in a transaction of the `DATABASE_URL`
-//! database, on an sqlx pool (feature `sqlx`), in which the ledger's row commits with the
-//! record. `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
+//! database, on an sqlx pool (feature `sqlx`; `tokio-postgres` instead of `1`: on the
+//! store's own pool), in which the ledger's row commits with the record. `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
 //! filters the logs (default `info`).
 
 mod app;

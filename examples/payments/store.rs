@@ -29,7 +29,7 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
     let transactional = transactional_from_env()?;
     // With a ledger or the transactional mode, the records go to the database, whatever
     // else is set.
-    let ledger = std::env::var_os("PAYMENTS_LEDGER").is_some() || transactional;
+    let ledger = std::env::var_os("PAYMENTS_LEDGER").is_some() || transactional.is_some();
     #[cfg(feature = "redis")]
     if !ledger {
         if let Some(redis) = redis_store().await? {
@@ -63,26 +63,38 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             }
             store.migrate().await?;
             store.spawn_purge(Duration::from_secs(3600));
-            if transactional {
-                store = transactional_store(store, &url).await?;
+            match transactional {
+                Some(Driver::Sqlx) => store = sqlx_transactional_store(store, &url).await?,
+                Some(Driver::TokioPostgres) => store = store.transactional(),
+                None => {}
             }
             return Ok(shared(Arc::new(store)));
         }
         #[cfg(not(feature = "postgres"))]
         tracing::warn!(%url, "DATABASE_URL is set, but this build has no `postgres` feature: using memory");
     }
-    if transactional {
-        return Err("IDEMPOTENCY_TRANSACTIONAL=1 needs DATABASE_URL".into());
+    if transactional.is_some() {
+        return Err("IDEMPOTENCY_TRANSACTIONAL needs DATABASE_URL".into());
     }
     Ok(Arc::new(MemoryStore::new()))
 }
 
-/// Whether `IDEMPOTENCY_TRANSACTIONAL=1` asks for the transactional PostgreSQL mode.
-fn transactional_from_env() -> Result<bool, String> {
-    match std::env::var("IDEMPOTENCY_TRANSACTIONAL") {
-        Ok(value) if value == "1" => Ok(true),
-        Ok(value) => Err(format!("IDEMPOTENCY_TRANSACTIONAL={value}: expected 1")),
-        Err(_) => Ok(false),
+/// The driver of the transactional PostgreSQL mode's transactions.
+enum Driver {
+    Sqlx,
+    TokioPostgres,
+}
+
+/// The transactional PostgreSQL mode, if `IDEMPOTENCY_TRANSACTIONAL` asks for it: `1` on an
+/// sqlx pool, `tokio-postgres` on the store's own pool.
+fn transactional_from_env() -> Result<Option<Driver>, String> {
+    match std::env::var("IDEMPOTENCY_TRANSACTIONAL").as_deref() {
+        Ok("1") => Ok(Some(Driver::Sqlx)),
+        Ok("tokio-postgres") => Ok(Some(Driver::TokioPostgres)),
+        Ok(value) => Err(format!(
+            "IDEMPOTENCY_TRANSACTIONAL={value}: expected 1 (sqlx) or tokio-postgres"
+        )),
+        Err(_) => Ok(None),
     }
 }
 
@@ -90,7 +102,7 @@ fn transactional_from_env() -> Result<bool, String> {
 /// database at `url`: sized for the executions that run at once, two instances to a
 /// database of PostgreSQL's default 100 connections.
 #[cfg(feature = "postgres")]
-async fn transactional_store(
+async fn sqlx_transactional_store(
     store: tower_idempotency::PostgresStore,
     url: &str,
 ) -> Result<tower_idempotency::PostgresStore, Box<dyn std::error::Error>> {

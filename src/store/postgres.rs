@@ -207,8 +207,12 @@ struct Transactional {
     read: String,
     /// `read`, counting the replay ([`PostgresStore::count_replays`]).
     read_counting: String,
-    /// In the execution's transaction: its lock on the key, then its claim.
+    /// In the execution's transaction: its locks, then its claim, or the live row.
     claim: String,
+    /// In the execution's transaction: its completion, failing where it applies to no row.
+    complete: String,
+    /// `complete`, notifying the channel ([`PostgresStore::announce_outcomes`]).
+    complete_announced: String,
     /// Notifies the channel of a rolled-back execution (`$1` the payload).
     notify: String,
 }
@@ -414,7 +418,9 @@ impl PostgresStore {
     ///   rolls back the handler's writes; a recorded one commits them with its record. A
     ///   response whose commit fails is not sent: the client gets `503` and its retry
     ///   executes again.
-    /// - A replay reads the committed record outside any transaction, in one round trip.
+    /// - A replay costs one round trip: `BEGIN` and the claim are pipelined, and the claim
+    ///   reads a committed row in the key's way (the transaction is then rolled back
+    ///   without waiting). A first execution's completion and `COMMIT` are pipelined too.
     ///   A duplicate of a running execution finds its transaction's advisory lock taken
     ///   (tried without waiting) and gets `409` at once: its row is invisible until it
     ///   commits, so the duplicate's own fingerprint stands in for the original's, and a
@@ -452,9 +458,11 @@ impl PostgresStore {
     /// [`transactional`](Self::transactional), with each execution's transaction on a
     /// connection of `pool`, an sqlx pool of the same database, handed to the handler as an
     /// [`SqlxTransaction`](crate::transaction::SqlxTransaction). The store's own connections
-    /// serve the replays, the migration and the purge. A first execution waits at most 2 s
-    /// for a connection of `pool` (less if the pool's `acquire_timeout` is shorter), then
-    /// gets `503`.
+    /// serve the replays, the migration and the purge. sqlx sends one statement at a time,
+    /// so a replay reads outside any transaction first (one round trip), and a first
+    /// execution then costs `BEGIN`, the claim, the completion and `COMMIT`, each a round
+    /// trip of its own. A first execution waits at most 2 s for a connection of `pool` (less
+    /// if the pool's `acquire_timeout` is shorter), then gets `503`.
     ///
     /// # Example
     ///
@@ -959,6 +967,17 @@ impl Table {
         // The same write, returning its row without notifying (the payload still named, so
         // that both take the same parameters).
         let quiet = |n: u8| format!("\n    RETURNING 1\n)\nSELECT ${n}::text FROM done");
+        // The same write, failing when it matches no row; notifying `channel` if there is one
+        // (the payload in `$10`).
+        let guarded = |channel: Option<&str>| {
+            let select = match channel {
+                Some(channel) => format!("pg_notify('{channel}', $10)"),
+                None => "$10::text".to_owned(),
+            };
+            format!(
+                "\n    RETURNING 1\n),\nguard AS MATERIALIZED (\n    SELECT 1 / (SELECT count(*)::int FROM done) AS one\n)\nSELECT {select} FROM guard LEFT JOIN done ON true"
+            )
+        };
         let scope = "idempotency_key = $1 AND endpoint = $2 AND principal = $3";
         let held = format!(
             "{scope} AND status = 'in_progress' AND claim_token = $4 AND locked_until > now()"
@@ -1054,10 +1073,12 @@ SELECT {found} FROM {name} WHERE {read_live} AND status = 'in_progress'",
             // key and the fingerprint, `$8`), then one on its key (`$7`), taken only with the
             // first. A duplicate that finds the first taken runs the same request as a
             // running execution; one that finds only the second taken runs another.
-            // Then whether the key was claimed: a key held by a row committed since the
-            // caller read it is left as it is. A lock held elsewhere comes with how long its
-            // holder's transaction has run, in milliseconds, where this role may see it (its
-            // own sessions, or with `pg_read_all_stats`).
+            // Then whether the key was claimed, and the live row committed in the way if
+            // there is one (read as `claim` reads it, from column 4 on), which the claim
+            // leaves as it is: a replay read in the same round trip as the claim. A lock held
+            // elsewhere comes with how long its holder's transaction has run, in
+            // milliseconds, where this role may see it (its own sessions, or with
+            // `pg_read_all_stats`).
             claim: format!(
                 "WITH request AS MATERIALIZED (
     SELECT pg_try_advisory_xact_lock($8::bigint) AS taken
@@ -1067,6 +1088,9 @@ lock AS MATERIALIZED (
         CASE WHEN request.taken THEN pg_try_advisory_xact_lock($7::bigint) ELSE false END AS taken_key,
         CASE WHEN request.taken THEN $7::bigint ELSE $8::bigint END AS held
     FROM request
+),
+seen AS MATERIALIZED (
+    SELECT {found} FROM {name} WHERE {read_live}
 ),
 claimed AS (
     {}
@@ -1079,10 +1103,15 @@ SELECT lock.taken, lock.taken_key, EXISTS (SELECT 1 FROM claimed),
             AND l.classid = ((lock.held >> 32) & 4294967295)::oid
             AND l.objid = (lock.held & 4294967295)::oid
         LIMIT 1
-    ) END
-FROM lock",
-                insert_claim("FROM lock WHERE lock.taken_key")
+    ) END,
+    seen.*
+FROM lock LEFT JOIN seen ON true",
+                insert_claim("FROM lock WHERE lock.taken_key AND NOT EXISTS (SELECT 1 FROM seen)")
             ),
+            // The completions of a transaction: an error where the completion finds no
+            // row, so that a `COMMIT` sent right behind it, unawaited, rolls back instead.
+            complete: format!("{completing}{}", guarded(None)),
+            complete_announced: format!("{completing}{}", guarded(Some(&channel))),
             notify: format!("SELECT pg_notify('{channel}', $1)"),
         };
         Self {
@@ -1168,16 +1197,22 @@ fn principal(scope: &Scope) -> &str {
 /// completed one expires, so that no cache in front keeps a copy and serves replays the
 /// count would not see.
 fn decode_claim(row: &Row, counted: bool) -> Result<Claim> {
-    let hash: Vec<u8> = row.try_get(1)?;
+    decode_claim_at(row, 0, counted)
+}
+
+/// [`decode_claim`] of a row whose claim columns begin at column `first`.
+fn decode_claim_at(row: &Row, first: usize, counted: bool) -> Result<Claim> {
+    let column = |n: usize| first + n;
+    let hash: Vec<u8> = row.try_get(column(1))?;
     let fingerprint = Fingerprint::from_bytes(
         hash.try_into()
             .map_err(|_| PostgresStoreError::UnexpectedRow("request_hash is not 32 bytes"))?,
     );
-    let status: String = row.try_get(2)?;
+    let status: String = row.try_get(column(2))?;
     match status.as_str() {
         "in_progress" => {
-            let lease_remaining = remaining_millis(row)?;
-            let running: i64 = row.try_get(7)?;
+            let lease_remaining = remaining_millis(row, first)?;
+            let running: i64 = row.try_get(column(7))?;
             Ok(Claim::InProgress {
                 fingerprint,
                 lease_remaining,
@@ -1185,20 +1220,20 @@ fn decode_claim(row: &Row, counted: bool) -> Result<Claim> {
             })
         }
         "completed" => {
-            let code: i16 = row.try_get(3)?;
+            let code: i16 = row.try_get(column(3))?;
             let status = u16::try_from(code)
                 .ok()
                 .and_then(|c| StatusCode::from_u16(c).ok())
                 .ok_or(PostgresStoreError::UnexpectedRow("invalid status_code"))?;
             // The headers, then the trailers.
-            let mut headers = Bytes::from(row.try_get::<_, Vec<u8>>(4)?);
+            let mut headers = Bytes::from(row.try_get::<_, Vec<u8>>(column(4))?);
             let (decoded, trailers) = take_headers_and_trailers(&mut headers)?;
             if !headers.is_empty() {
                 return Err(
                     PostgresStoreError::UnexpectedRow("trailing bytes after trailers").into(),
                 );
             }
-            let body = Bytes::from(row.try_get::<_, Vec<u8>>(5)?);
+            let body = Bytes::from(row.try_get::<_, Vec<u8>>(column(5))?);
             let response = StoredResponse {
                 status,
                 headers: decoded,
@@ -1211,7 +1246,7 @@ fn decode_claim(row: &Row, counted: bool) -> Result<Claim> {
                 expires_in: if counted {
                     None
                 } else {
-                    Some(remaining_millis(row)?)
+                    Some(remaining_millis(row, first)?)
                 },
             })
         }
@@ -1221,8 +1256,8 @@ fn decode_claim(row: &Row, counted: bool) -> Result<Claim> {
 
 /// How long the row found in the way stays live: its lease while in progress, its TTL once
 /// completed (the database's clock).
-fn remaining_millis(row: &Row) -> Result<Duration> {
-    let remaining: i64 = row.try_get(6)?;
+fn remaining_millis(row: &Row, first: usize) -> Result<Duration> {
+    let remaining: i64 = row.try_get(first + 6)?;
     Ok(Duration::from_millis(remaining.max(0) as u64))
 }
 

@@ -56,6 +56,9 @@ pub(super) struct Begun<C> {
     /// How long the lock's holder has been running, in milliseconds, when it was not free
     /// and the database tells.
     pub(super) holder_ran: Option<i64>,
+    /// The live row committed in the key's way, where the driver reads it
+    /// ([`Driver::reads_while_claiming`]).
+    pub(super) found: Option<Claim>,
 }
 
 /// A database driver's transactions: the tokio-postgres pool's or sqlx's.
@@ -64,26 +67,34 @@ pub(super) trait Driver: Send + Sync + 'static {
     /// A connection inside its open transaction, as the handler gets it.
     type Connection: Connection;
 
+    /// Whether [`begin_claiming`](Self::begin_claiming) reads the live row of the key in the
+    /// same round trip as the claim (decoded as replays `counted`), so that no read outside
+    /// the transaction need come first.
+    fn reads_while_claiming(&self) -> bool;
+
     /// Begins a transaction and runs the claim `sql` in it. No connection within
     /// [`BEGIN_TIMEOUT`] is [`Error::Unavailable`].
     async fn begin_claiming(
         &self,
         sql: &str,
         claiming: &Claiming<'_>,
+        counted: bool,
     ) -> Result<Begun<Self::Connection>>;
 
-    /// Runs the completing `sql` in the transaction: how many rows it wrote.
-    async fn complete(
+    /// Runs the completing `sql` in the transaction, which fails where it writes no row, and
+    /// commits.
+    async fn complete_and_commit(
         &self,
-        transaction: &mut Self::Connection,
+        transaction: Self::Connection,
         sql: &str,
         completion: &Completion<'_>,
-    ) -> Result<u64>;
-
-    async fn commit(&self, transaction: Self::Connection) -> Result<()>;
+    ) -> Result<()>;
 
     /// Rolls back; a connection that fails to is closed, which rolls back as well.
     async fn rollback(&self, transaction: Self::Connection);
+
+    /// Rolls back a transaction that claimed nothing, without its caller waiting for it.
+    fn abandon(&self, transaction: Self::Connection);
 }
 
 /// What a transactional [`PostgresStore`] does in place of its autocommit statements.
@@ -225,12 +236,19 @@ impl<D: Driver> Transactions for Open<D> {
             lock: lock_of(&store.table.name, scope),
             request_lock: request_lock_of(&store.table.name, scope, fingerprint),
         };
+        // A counted replay must commit its count: it is read outside the transaction.
+        let read_first = !self.driver.reads_while_claiming() || store.count_replays;
         for _ in 0..CLAIM_ATTEMPTS {
-            if let Some(found) = store.read(scope).await? {
-                return Ok(found);
+            if read_first {
+                if let Some(found) = store.read(scope).await? {
+                    return Ok(found);
+                }
             }
             let sql = &store.table.transactional.claim;
-            let begun = self.driver.begin_claiming(sql, &claiming).await?;
+            let begun = self
+                .driver
+                .begin_claiming(sql, &claiming, store.count_replays)
+                .await?;
             if begun.claimed {
                 let held = Held {
                     key: scope.storage_key().into(),
@@ -239,7 +257,10 @@ impl<D: Driver> Transactions for Open<D> {
                 self.map().insert(token, held);
                 return Ok(Claim::Claimed(token));
             }
-            self.driver.rollback(begun.transaction).await;
+            self.driver.abandon(begun.transaction);
+            if let Some(found) = begun.found.filter(|_| !store.count_replays) {
+                return Ok(found);
+            }
             if !begun.locked {
                 // Running in a transaction of its own, its row invisible until it commits:
                 // its request's fingerprint cannot be read, but its locks tell whether it is
@@ -280,31 +301,23 @@ impl<D: Driver> Transactions for Open<D> {
                 .complete_now(scope, token, fingerprint, response, ttl)
                 .await;
         };
-        let Some(mut transaction) = open.take() else {
+        let Some(transaction) = open.take() else {
             // The handler still holds it (a task it spawned): it rolls back when dropped.
             return Err(Error::Backend(
                 "the handler still holds its transaction: rolled back".into(),
             ));
         };
         let completion = store.completion(scope, &token, &fingerprint, response, ttl);
-        let [_, sql, ..] = store.writes();
-        let written = self
-            .driver
-            .complete(&mut transaction, sql, &completion)
-            .await;
-        match written {
-            Ok(1) => {}
-            Ok(_) => {
-                self.driver.rollback(transaction).await;
-                return Ok(Fenced::Lost);
-            }
-            Err(error) => {
-                self.driver.rollback(transaction).await;
-                return Err(error);
-            }
-        }
+        let statements = &store.table.transactional;
+        let sql = if store.announce {
+            &statements.complete_announced
+        } else {
+            &statements.complete
+        };
         let ending = completion.ending(store);
-        self.driver.commit(transaction).await?;
+        self.driver
+            .complete_and_commit(transaction, sql, &completion)
+            .await?;
         if let Some(ending) = ending {
             ending.completed(|| Claim::Completed {
                 fingerprint,
