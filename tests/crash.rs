@@ -206,6 +206,45 @@ async fn postgres_transactional_ledger_rows_are_written_once_across_a_crash() {
     assert_ledger_matches_records(&ledger).await;
 }
 
+/// Killed after its commit, before its client read the answer: the retry replays the
+/// committed payment, and the ledger keeps its one row.
+#[cfg(feature = "sqlx")]
+#[tokio::test]
+async fn postgres_transactional_a_payment_committed_before_the_crash_replays_after_it() {
+    let database = Database::create().await;
+    let env = transactional_ledger(&database);
+    let mut a = ExampleProcess::start(&env).await;
+    let b = a.start_another().await;
+    let payment = Payment::slow(Duration::ZERO);
+    // Sent, never read: whatever A answered is lost with it.
+    let connection = payment.send_unanswered(a.addr()).await;
+    let ledger = support::store_client(database.url()).await;
+    let committed = eventually_within(DEADLINE, "the payment to commit", async || {
+        let rows = ledger.query("SELECT id FROM payments", &[]).await;
+        let ids: Vec<String> = rows
+            .expect("the ledger")
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        ids.into_iter().next()
+    })
+    .await;
+    a.kill();
+    drop(connection);
+
+    let retry = payment.send(b.api()).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.assert_payment(700, "usd"), committed);
+    assert_payments(b.api(), 0).await;
+    let rows: i64 = ledger
+        .query_one("SELECT count(*) FROM payments", &[])
+        .await
+        .expect("the ledger")
+        .get(0);
+    assert_eq!(rows, 1);
+    assert_ledger_matches_records(&ledger).await;
+}
+
 /// Payments under retrying load on two instances, one of them killed three times at
 /// arbitrary points (between a handler's insert and its commit, between a commit and its
 /// answer, anywhere) and started again: every payment ends answered `201`, and the ledger
@@ -215,12 +254,7 @@ async fn postgres_transactional_ledger_rows_are_written_once_across_a_crash() {
 async fn postgres_transactional_payments_under_retrying_load_survive_kills_exactly_once() {
     const CLIENTS: usize = 8;
     let database = Database::create().await;
-    let env = [
-        ("DATABASE_URL", database.url()),
-        ("PAYMENTS_LEDGER", "postgres"),
-        ("IDEMPOTENCY_TRANSACTIONAL", "1"),
-        ("IDEMPOTENCY_TTL_SECS", TTL_SECS),
-    ];
+    let env = transactional_ledger(&database);
     let b = ExampleProcess::start(&env).await;
     let mut a = b.start_another().await;
     let a_api = std::sync::Arc::new(std::sync::Mutex::new(a.api().clone()));
@@ -295,6 +329,17 @@ async fn postgres_transactional_payments_under_retrying_load_survive_kills_exact
         ids.len()
     );
     assert_ledger_matches_records(&ledger).await;
+}
+
+/// The example with its ledger in the transactional mode (sqlx), on `database`.
+#[cfg(feature = "sqlx")]
+fn transactional_ledger(database: &Database) -> [(&'static str, &str); 4] {
+    [
+        ("DATABASE_URL", database.url()),
+        ("PAYMENTS_LEDGER", "postgres"),
+        ("IDEMPOTENCY_TRANSACTIONAL", "1"),
+        ("IDEMPOTENCY_TTL_SECS", TTL_SECS),
+    ]
 }
 
 /// Every ledger row is a completed operation's, and every completed payment has one row.

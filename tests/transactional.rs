@@ -110,6 +110,8 @@ on_both_drivers!(
     a_statement_timeout_fails_the_statement_and_nothing_commits,
     a_handler_past_the_idle_in_transaction_timeout_gets_503,
     counted_replays_are_committed,
+    a_duplicate_that_waits_gets_the_originals_answer,
+    a_duplicate_that_waits_is_woken_by_a_notification,
 );
 
 /// What the test handler does in its transaction, on either driver.
@@ -213,6 +215,15 @@ impl Service {
     }
 
     async fn on(driver: Driver, store: PostgresStore) -> Self {
+        Self::configured(driver, store, |layer| layer).await
+    }
+
+    /// [`Service::on`], its layer configured further by `configure`.
+    async fn configured(
+        driver: Driver,
+        store: PostgresStore,
+        configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    ) -> Self {
         let client = support::store_client(&support::database_url()).await;
         let table = format!(
             "{}.orders_{:016x}",
@@ -236,6 +247,7 @@ impl Service {
         let layer = IdempotencyLayer::new(store.clone())
             .allow_anonymous()
             .lease(Duration::from_secs(60));
+        let layer = configure(layer);
         let app = Router::new()
             .route("/orders", route.layer(layer))
             .with_state(orders.clone())
@@ -513,4 +525,33 @@ async fn counted_replays_are_committed(driver: Driver) {
     let counted: i64 = service.client.query_one(&sql, &[]).await.unwrap().get(0);
     assert_eq!(counted, 2);
     assert_eq!(service.rows().await, 1);
+}
+
+async fn a_duplicate_that_waits_gets_the_originals_answer(driver: Driver) {
+    let store = driver.transactional().await;
+    duplicate_waits_for_the_original(driver, store).await;
+}
+
+async fn a_duplicate_that_waits_is_woken_by_a_notification(driver: Driver) {
+    let store = driver.transactional().await.announce_outcomes();
+    duplicate_waits_for_the_original(driver, store).await;
+}
+
+/// A duplicate of a running execution waits (bounded) for its commit, and answers with it.
+async fn duplicate_waits_for_the_original(driver: Driver, store: PostgresStore) {
+    let bound = Duration::from_secs(20);
+    let service = Service::configured(driver, store, |layer| layer.wait_for_original(bound)).await;
+    let original = service.spawn("waited", &[("x-wait", "1")]);
+    service.until_executing(1).await;
+    let duplicate = service.spawn("waited", &[]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!duplicate.is_finished(), "the duplicate did not wait");
+    service.orders.gate.add_permits(1);
+    let original = original.await.unwrap();
+    original.assert_executed();
+    let duplicate = duplicate.await.unwrap();
+    assert!(duplicate.replayed(), "{duplicate:?}");
+    assert_eq!(duplicate.body, original.body);
+    assert_eq!(service.rows().await, 1);
+    assert_eq!(service.orders.executions.load(Ordering::SeqCst), 1);
 }
