@@ -18,10 +18,11 @@ macro_rules! every_case {
             a_waiting_duplicate_gets_the_replay_of_the_original,
             a_waiting_duplicate_executes_when_the_original_is_released,
             after_a_release_one_waiter_executes_and_the_others_get_its_replay,
-            a_waiting_duplicate_executes_when_the_holder_crashed,
             past_its_bound_a_duplicate_gets_the_conflict,
             beyond_the_cap_duplicates_get_the_conflict_at_once,
-            a_key_reused_with_other_parameters_never_waits,
+            a_key_reused_with_other_parameters_never_waits;
+            not_transactional:
+            a_waiting_duplicate_executes_when_the_holder_crashed,
         );
     };
 }
@@ -33,6 +34,9 @@ every_case!(for_each_store);
 /// `announcing_redis::case` and so on. (The stores above announce nothing: their waiters
 /// poll.)
 macro_rules! on_announcing_stores {
+    ($($case:ident),*; not_transactional: $($more:ident),* $(,)?) => {
+        on_announcing_stores!($($case,)* $($more),*);
+    };
     ($($case:ident),* $(,)?) => {
         mod announcing {
             on_announcing!(redis, crate::support::redis_store; $($case),*);
@@ -141,6 +145,8 @@ async fn after_a_release_one_waiter_executes_and_the_others_get_its_replay(store
     assert_eq!(handler.executions(), 2);
 }
 
+/// Not transactional: a transaction holds its key while its connection lives, whatever the
+/// lease (`tests/transactional.rs` terminates a holder's backend instead).
 async fn a_waiting_duplicate_executes_when_the_holder_crashed(store: Arc<dyn Store>) {
     let handler = Handler::default();
     let app = router(&handler, waiting_layer(&store));
