@@ -815,6 +815,209 @@ async fn a_claim_no_replica_acknowledges_is_released_and_answered_503() {
 }
 
 // ---------------------------------------------------------------------------------------
+// A failover that leaves the new primary with no replica, with `replicas(1, ..)`.
+// ---------------------------------------------------------------------------------------
+
+/// How long the payment that runs across the failover takes: longer than a failover.
+const ACROSS_FAILOVER: Duration = Duration::from_secs(16);
+
+/// Strict (the default): after the failover, replays, duplicates and mismatches are
+/// answered from what their claims read, the running payment is answered once its handler
+/// ends (not a lease later), new payments get `503`, and once the old primary is back as
+/// a replica, new payments execute again, with no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_replica_left_replays_go_on_and_new_claims_get_503_until_one_is_back() {
+    failover_to_no_replica(false).await;
+}
+
+/// Best effort: the same, but new payments execute while no replica acknowledges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_replica_left_best_effort_claims_execute() {
+    failover_to_no_replica(true).await;
+}
+
+async fn failover_to_no_replica(best_effort: bool) {
+    let mut set = blocking(SentinelSet::start).await;
+    let prefix = unique_prefix("no_replica_left");
+    let mut store = sentinel_store(&set, &prefix, true).await;
+    if best_effort {
+        store = store.replicas_best_effort();
+    }
+    let instance = serve(Arc::new(store)).await;
+    let api = Api::new(instance.addr);
+    let executed = || instance.stats.payments.load(Ordering::Relaxed);
+
+    // Completed while the replica acknowledged it.
+    let (done_key, done_charge) = (fresh_key(), charge(100));
+    let done = api.pay(&done_key, "alice", &done_charge).await;
+    done.assert_fresh();
+    // Claimed (and acknowledged) before the failover, completed after it.
+    let running_key = fresh_key();
+    let running_ms = ACROSS_FAILOVER.as_millis() as u64;
+    let running = api.pay_in_background(&running_key, "alice", &slow_charge(running_ms));
+    api.wait_for_payments(2).await;
+    let handler_ends = Instant::now() + ACROSS_FAILOVER;
+
+    let (set_back, old, new) = blocking(move || {
+        let old = set.kill_primary();
+        let new = set.wait_for_failover(old);
+        (set, old, new)
+    })
+    .await;
+    set = set_back;
+
+    // Replays are answered from what their claim read: no replica needed.
+    replays_go_on(&api, &done_key, &done_charge, &done).await;
+    // So are a duplicate of the running payment and a key reused with another body.
+    api.pay(&running_key, "alice", &slow_charge(running_ms))
+        .await
+        .assert_in_progress();
+    api.pay(&done_key, "alice", &charge(999))
+        .await
+        .assert_error(
+            StatusCode::CONFLICT,
+            "idempotency_key_reused_with_different_params",
+        );
+
+    // A new payment's claim is not acknowledged.
+    let new_key = fresh_key();
+    let fresh = api.pay(&new_key, "alice", &charge(300)).await;
+    if best_effort {
+        fresh.assert_fresh();
+        fresh.assert_payment(300, "usd");
+    } else {
+        fresh.assert_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "idempotency_store_unavailable",
+        );
+    }
+
+    // The running payment is answered when its handler ends, its completion applied though
+    // unacknowledged, not a lease (30 s) later; its retry replays it.
+    let running = running.await.expect("the running payment");
+    let late = Instant::now().saturating_duration_since(handler_ends);
+    running.assert_fresh();
+    running.assert_payment(700, "usd");
+    assert!(
+        late < ACK_TIMEOUT + Duration::from_secs(5),
+        "answered {late:?} after its handler ended"
+    );
+    api.pay(&running_key, "alice", &slow_charge(running_ms))
+        .await
+        .assert_replay_of(&running);
+    let before = if best_effort { 3 } else { 2 };
+    assert_eq!(executed(), before);
+
+    // The old primary comes back as the new one's replica: acknowledgements resume.
+    let set = blocking(move || {
+        set.restart(old);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !set
+            .cli(new, &["INFO", "replication"])
+            .contains("state=online")
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the old primary never came back as a replica"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        set
+    })
+    .await;
+    // (Within moments: the replica may still be catching up when it shows online.)
+    let later_key = fresh_key();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let later = api.pay(&later_key, "alice", &charge(400)).await;
+        if later.status == StatusCode::CREATED {
+            later.assert_fresh();
+            break;
+        }
+        later.assert_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "idempotency_store_unavailable",
+        );
+        assert!(Instant::now() < deadline, "acknowledgements never resumed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(executed(), before + 1);
+    drop(instance);
+    blocking(move || drop(set)).await;
+}
+
+/// Replays of `done` (paid with `key` and `charge`) answered after a failover: once the
+/// store has reconnected to the new primary (a first attempt may meet it reconnecting),
+/// every one.
+async fn replays_go_on(api: &Api, key: &str, charge: &Value, done: &Reply) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let replay = api.pay(key, "alice", charge).await;
+        if replay.replayed() {
+            replay.assert_replay_of(done);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replay after the failover: {replay:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for _ in 0..10 {
+        api.pay(key, "alice", charge).await.assert_replay_of(done);
+    }
+}
+
+/// In a cluster, a shard whose master failed over to its only replica: its replays and
+/// mismatches are answered from what their claims read, and its new payments get `503`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_cluster_a_shard_left_with_no_replica_replays_and_refuses_new_claims() {
+    let cluster = blocking(|| RedisCluster::start(3, 1)).await;
+    let prefix = unique_prefix("shard_without_replica");
+    let store = cluster_store(&cluster, &prefix, true).await;
+    let keys = store.clone();
+    let record = move |key: &str| keys.redis_key(&scope("alice", key));
+    let instance = serve(Arc::new(store)).await;
+    let api = Api::new(instance.addr);
+
+    let (done_key, done_charge) = (fresh_key(), charge(100));
+    let done = api.pay(&done_key, "alice", &done_charge).await;
+    done.assert_payment(100, "usd");
+    let done_record = record(&done_key);
+    let (cluster, promoted) = blocking(move || {
+        let mut cluster = cluster;
+        let master = cluster.master_for_key(&done_record);
+        cluster.kill(master);
+        let promoted = cluster.wait_for_failover(master);
+        (cluster, promoted)
+    })
+    .await;
+
+    replays_go_on(&api, &done_key, &done_charge, &done).await;
+    api.pay(&done_key, "alice", &charge(999))
+        .await
+        .assert_error(
+            StatusCode::CONFLICT,
+            "idempotency_key_reused_with_different_params",
+        );
+    // A new payment on the same shard: its claim is not acknowledged.
+    let (cluster, new_key) = blocking(move || loop {
+        let key = fresh_key();
+        if cluster.master_for_key(&record(&key)) == promoted {
+            break (cluster, key);
+        }
+    })
+    .await;
+    api.pay(&new_key, "alice", &charge(300)).await.assert_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency_store_unavailable",
+    );
+    assert_eq!(instance.stats.payments.load(Ordering::Relaxed), 1);
+    drop(instance);
+    blocking(move || drop(cluster)).await;
+}
+
+// ---------------------------------------------------------------------------------------
 // A claim's `WAIT` cut off from its master, in a cluster.
 // ---------------------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@
 //! `REDIS_SENTINEL_URLS` (comma-separated sentinels) with `REDIS_SENTINEL_MASTER` (the
 //! monitored name), `DATABASE_URL` (PostgreSQL), else memory; `IDEMPOTENCY_REPLICAS=<n>`
 //! makes each claim and completion on Redis wait for `n` replicas (for at most
-//! `IDEMPOTENCY_REPLICAS_TIMEOUT_MS`, default 1000); `IDEMPOTENCY_PREFIX` (default
+//! `IDEMPOTENCY_REPLICAS_TIMEOUT_MS`, default 1000; with `IDEMPOTENCY_REPLICAS_BEST_EFFORT=1`
+//! a claim they do not acknowledge in time executes anyway, counted, instead of `503`);
+//! `IDEMPOTENCY_PREFIX` (default
 //! `idempotency:`) starts every Redis key; `IDEMPOTENCY_TTL_SECS`,
 //! `IDEMPOTENCY_LEASE_SECS`; `IDEMPOTENCY_PROFILE=ietf` answers the layer's rejections as
 //! IETF problem details (`application/problem+json`, `422` for a reused key);

@@ -160,6 +160,13 @@ async fn redis_store() -> Result<Option<tower_idempotency::RedisStore>, Box<dyn 
         Err(_) => Duration::from_secs(1),
     };
     let mut store = store.replicas(replicas, timeout);
+    match std::env::var("IDEMPOTENCY_REPLICAS_BEST_EFFORT").as_deref() {
+        Ok("1") => store = store.replicas_best_effort(),
+        Ok(value) => {
+            return Err(format!("IDEMPOTENCY_REPLICAS_BEST_EFFORT={value}: expected 1").into())
+        }
+        Err(_) => {}
+    }
     // Requests that wait for their original are woken by every instance's announcements.
     if std::env::var_os("IDEMPOTENCY_WAIT_MS").is_some() {
         store = store.announce_outcomes();

@@ -198,6 +198,11 @@ impl Lua {
 /// Defaults for the connection made by [`RedisStore::open`]: a request waits at most this
 /// long for Redis before the layer answers `503` (fail closed).
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// A completion its replicas did not acknowledge is written again after this pause, then
+/// after pauses twice as long, up to the longest, this many times: about four minutes.
+const ACK_RETRY_FIRST: Duration = Duration::from_millis(500);
+const ACK_RETRY_MAX: Duration = Duration::from_secs(60);
+const ACK_RETRIES: usize = 10;
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
 /// A request waiting on a reconnection waits for these few quick attempts only: during an
 /// outage it must get its `503` in well under a second, not after a long backoff. The next
@@ -248,6 +253,9 @@ pub struct RedisStore {
     native_claim: Arc<AtomicBool>,
     /// Replicas that must have each claim and completion before it counts.
     acks: Option<Replicas>,
+    /// Whether a claim its replicas did not acknowledge executes all the same
+    /// ([`RedisStore::replicas_best_effort`]).
+    best_effort: bool,
     /// Relays announced completions and releases to waiters; `None` for a store made
     /// from a connection, which cannot open one of its own (its waiters poll).
     subscriber: Option<Arc<Subscriber>>,
@@ -416,6 +424,7 @@ impl RedisStore {
             timeout: RESPONSE_TIMEOUT,
             native_claim: Arc::new(AtomicBool::new(true)),
             acks: None,
+            best_effort: false,
             subscriber: None,
             announce: false,
             signer: None,
@@ -584,11 +593,23 @@ impl RedisStore {
     /// `WAIT`, on the connection that wrote it; in a cluster, to the key's master), for at
     /// most `timeout`. Default: off.
     ///
-    /// A claim that is not acknowledged in time fails: the layer releases it and answers
-    /// `503`, and the handler does not run. A completion that is not acknowledged is
+    /// A claim that writes nothing (a replay, a duplicate of a running request, a key reused
+    /// with other parameters) is answered from what it read, whatever the replicas say:
+    /// replays go on with no replica attached. A claim that takes the key and is not
+    /// acknowledged in time fails: the layer releases it and answers `503`, and the handler
+    /// does not run (unless [`replicas_best_effort`](Self::replicas_best_effort)). A
+    /// completion that its primary applied but the replicas did not acknowledge within
+    /// `timeout` is answered then, counted
+    /// (`idempotency_replica_acks_missing_total{operation="complete"}`) and logged, and
+    /// written again in the background (each time waiting for the replicas) until they
+    /// acknowledge it, for about four minutes; a completion that was not applied at all is
     /// written again until it is, within the claim's lease. So an operation runs only once
-    /// its claim is on `count` replicas, and its answer leaves only once its record is:
-    /// a failover to one of those replicas keeps both.
+    /// its claim is on `count` replicas, and a failover to one of those replicas keeps it.
+    ///
+    /// To stay available through the loss of a primary, a shard needs `count + 1`
+    /// replicas: after a failover promotes one, `count` remain to acknowledge. With fewer,
+    /// new operations get `503` until a replica is attached again (acknowledgements then
+    /// resume by themselves), while replays go on.
     ///
     /// `WAIT` is not consensus: a failover may promote a replica that had not acknowledged
     /// (when more replicas exist than `count`), and a write acknowledged by replicas is
@@ -612,6 +633,36 @@ impl RedisStore {
         self
     }
 
+    /// With [`replicas`](Self::replicas): a claim the replicas do not acknowledge in time
+    /// executes all the same, counted (`idempotency_replica_acks_missing_total{operation="claim"}`)
+    /// and logged at `warn`, instead of being released and answered `503`.
+    ///
+    /// What that risks: while no replica acknowledges, a claim lives on the primary
+    /// alone, and a failover in that time (to a replica that had not received it) forgets
+    /// it, so a retry on the new primary runs the operation a second time while the first
+    /// still runs, or after it, if its completion was lost too. The strict default refuses
+    /// new operations instead, until a replica acknowledges again: a defensible choice,
+    /// like Redis's `min-replicas-to-write`, where a second execution is worse than an
+    /// outage of new writes. Replays are answered either way.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// use std::time::Duration;
+    /// use tower_idempotency::RedisStore;
+    /// let store = RedisStore::open("redis://127.0.0.1/")
+    ///     .await?
+    ///     .replicas(1, Duration::from_millis(500))
+    ///     .replicas_best_effort();
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn replicas_best_effort(mut self) -> Self {
+        self.best_effort = true;
+        self
+    }
+
     /// The Redis key holding a scope's record.
     pub fn redis_key(&self, scope: &Scope) -> String {
         let scope = scope.storage_key();
@@ -622,14 +673,15 @@ impl RedisStore {
     }
 
     /// Sends `command` (with the next batch, on one server) and reads its reply as `T`; with
-    /// `durable`, once the replicas of [`replicas`](Self::replicas) have it.
+    /// `durable`, once the replicas of [`replicas`](Self::replicas) have it, or once they
+    /// did not in time, saying so.
     async fn query<T: FromRedisValue>(
         &self,
         command: Cmd,
         key: &str,
         unawaited: Unawaited,
         durable: bool,
-    ) -> redis::RedisResult<T> {
+    ) -> redis::RedisResult<Acked<T>> {
         let acks = self.acks.filter(|_| durable);
         let reply = match &*self.commands {
             Commands::Node(pipeline) => {
@@ -644,7 +696,10 @@ impl RedisStore {
                     .await?
             }
         };
-        Ok(redis::from_redis_value(reply)?)
+        Ok(Acked {
+            reply: redis::from_redis_value(reply.value)?,
+            unacknowledged: reply.unacknowledged,
+        })
     }
 
     /// Runs `script` on `key` with `args` by its hash; where the server that answers does
@@ -657,7 +712,7 @@ impl RedisStore {
         args: &[&[u8]],
         unawaited: Unawaited,
         durable: bool,
-    ) -> redis::RedisResult<T> {
+    ) -> redis::RedisResult<Acked<T>> {
         let evalsha = script_command("EVALSHA", &script.hash, key, args);
         match self.query(evalsha, key, unawaited, durable).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
@@ -674,7 +729,7 @@ impl RedisStore {
         token: ClaimToken,
         value: &[u8],
         lease: Duration,
-    ) -> Result<Option<Vec<u8>>> {
+    ) -> Result<Acked<Option<Vec<u8>>>> {
         let lease = millis(lease).to_string();
         let args: [&[u8]; 3] = [token.as_bytes(), value, lease.as_bytes()];
         Ok(self.eval(&CLAIM, key, &args, Unawaited::Skip, true).await?)
@@ -687,14 +742,72 @@ impl RedisStore {
         token: ClaimToken,
         extra: &[&[u8]],
         durable: bool,
-    ) -> Result<Fenced> {
+    ) -> Result<Acked<Fenced>> {
         let mut args = Vec::with_capacity(extra.len() + 1);
         args.push(token.as_bytes().as_slice());
         args.extend_from_slice(extra);
-        let applied = self
+        let applied: Acked<i64> = self
             .eval(script, key, &args, Unawaited::Send, durable)
             .await?;
-        Ok(fenced(applied))
+        Ok(Acked {
+            reply: fenced(applied.reply),
+            unacknowledged: applied.unacknowledged,
+        })
+    }
+
+    /// Counts and logs a write that the replicas of [`replicas`](Self::replicas) did not
+    /// acknowledge in time, but that its master applied.
+    fn unacknowledged(&self, operation: &'static str, error: &redis::RedisError) {
+        metrics::counter!("idempotency_replica_acks_missing_total", "operation" => operation)
+            .increment(1);
+        tracing::warn!(
+            %error, operation,
+            "applied on the Redis primary, not acknowledged by its replicas in time: a failover before they have it would lose it"
+        );
+    }
+
+    /// Writes a completion that its replicas did not acknowledge again, in the background,
+    /// until they do (each write waits for them as the first did), for a bounded time:
+    /// completing is idempotent, and a write sent again reaches a connection's `WAIT` even
+    /// after a failover opened a new one.
+    fn acknowledge_later(
+        &self,
+        script: &'static Lua,
+        key: String,
+        token: ClaimToken,
+        args: Vec<Vec<u8>>,
+    ) {
+        let store = self.clone();
+        let acknowledging = async move {
+            let mut pause = ACK_RETRY_FIRST;
+            for _ in 0..ACK_RETRIES {
+                tokio::time::sleep(pause).await;
+                let refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+                match store.eval_fenced(script, &key, token, &refs, true).await {
+                    Ok(Acked {
+                        reply: Fenced::Applied,
+                        unacknowledged: None,
+                    }) => {
+                        metrics::counter!("idempotency_replica_acks_recovered_total").increment(1);
+                        tracing::info!("a completion's replicas acknowledged it after all");
+                        return;
+                    }
+                    // Expired, or taken by a claim since: nothing of it is left to keep.
+                    Ok(Acked {
+                        reply: Fenced::Lost,
+                        ..
+                    }) => return,
+                    _ => pause = (pause * 2).min(ACK_RETRY_MAX),
+                }
+            }
+            tracing::warn!(
+                "a completion's replicas never acknowledged it: a failover before they have it would lose it"
+            );
+        };
+        tokio::spawn(tracing::Instrument::instrument(
+            acknowledging,
+            tracing::Span::current(),
+        ));
     }
 
     /// The end of the claim `token` on the key announced on `channel`, about to be
@@ -752,6 +865,12 @@ fn script_command(verb: &str, script: &str, key: &str, args: &[&[u8]]) -> Cmd {
 }
 
 /// What a fenced script's reply says: 1 when it applied.
+/// A reply, and why replicas did not acknowledge its write where they were to.
+struct Acked<T> {
+    reply: T,
+    unacknowledged: Option<redis::RedisError>,
+}
+
 fn fenced(applied: i64) -> Fenced {
     if applied == 1 {
         Fenced::Applied
@@ -804,7 +923,9 @@ impl Store for RedisStore {
         // failover), and a `WAIT` there counts only that connection's writes: a claim that
         // replicas must acknowledge goes by the script, which writes again when resent.
         let resent_acks = self.acks.is_some() && matches!(*self.commands, Commands::Cluster(_));
-        let reply: Option<Vec<u8>> = if self.native_claim.load(Ordering::Relaxed) && !resent_acks {
+        let reply: Acked<Option<Vec<u8>>> = if self.native_claim.load(Ordering::Relaxed)
+            && !resent_acks
+        {
             // One native command: claims the key, or returns what holds it.
             // Sized up front: growing the command's buffers costs more than filling them.
             let mut set = Cmd::with_capacity(7, "SETNXPXGET".len() + key.len() + value.len() + 20);
@@ -828,16 +949,29 @@ impl Store for RedisStore {
         } else {
             self.claim_by_script(&key, token, &value, lease).await?
         };
+        let Acked {
+            reply,
+            unacknowledged,
+        } = reply;
+        // A claim that wrote (took the key, or wrote its own again) counts only once replicas
+        // have it, unless best effort was chosen. One that found another request's record
+        // wrote nothing: what it read is the answer, whatever the replicas.
+        let claimed = || match unacknowledged {
+            None => Ok(Claim::Claimed(token)),
+            Some(error) if self.best_effort => {
+                self.unacknowledged("claim", &error);
+                Ok(Claim::Claimed(token))
+            }
+            Some(error) => Err(Error::from(error)),
+        };
         let Some(current) = reply else {
-            return Ok(Claim::Claimed(token));
+            return claimed();
         };
         let (record, deadline) = split_value(current)?;
         match Record::decode(record)? {
             // This very claim, sent twice (a retry after a lost reply, a cluster redirect):
             // the second finds what the first wrote. The key is ours.
-            Record::InProgress { token: holder, .. } if holder == token => {
-                Ok(Claim::Claimed(token))
-            }
+            Record::InProgress { token: holder, .. } if holder == token => claimed(),
             Record::InProgress {
                 fingerprint,
                 token: holder,
@@ -886,21 +1020,26 @@ impl Store for RedisStore {
             .signer
             .as_ref()
             .filter(|_| value.len() <= ANNOUNCED_VALUE_MAX);
-        let completed = match (&channel, signer) {
+        let signature;
+        let args: &[&[u8]] = match (&channel, signer) {
             (Some(channel), Some(signer)) => {
-                let signature = signer.sign(channel, token, &value);
-                let args: [&[u8]; 4] = [&value, ttl.as_bytes(), &signature, channel.as_bytes()];
-                self.eval_fenced(script, &key, token, &args, true).await?
+                signature = signer.sign(channel, token, &value);
+                &[&value, ttl.as_bytes(), &signature, channel.as_bytes()]
             }
-            (Some(channel), None) => {
-                let args: [&[u8]; 3] = [&value, ttl.as_bytes(), channel.as_bytes()];
-                self.eval_fenced(script, &key, token, &args, true).await?
-            }
-            (None, _) => {
-                let args: [&[u8]; 2] = [&value, ttl.as_bytes()];
-                self.eval_fenced(script, &key, token, &args, true).await?
-            }
+            (Some(channel), None) => &[&value, ttl.as_bytes(), channel.as_bytes()],
+            (None, _) => &[&value, ttl.as_bytes()],
         };
+        let Acked {
+            reply: completed,
+            unacknowledged,
+        } = self.eval_fenced(script, &key, token, args, true).await?;
+        if let (Fenced::Applied, Some(error)) = (completed, unacknowledged) {
+            // On its master, which answers replays: the client gets its answer now, and the
+            // replicas are asked again meanwhile.
+            self.unacknowledged("complete", &error);
+            let args = args.iter().map(|arg| arg.to_vec()).collect();
+            self.acknowledge_later(script, key.clone(), token, args);
+        }
         if let (Fenced::Applied, Some(ending)) = (completed, ending) {
             // This process's waiters take the record as written, and none reads it.
             ending.completed(|| Claim::Completed {
@@ -930,7 +1069,8 @@ impl Store for RedisStore {
         let ending = channel
             .as_deref()
             .and_then(|channel| self.ending(channel, token));
-        let released = fenced(self.query(eval, &key, Unawaited::Send, false).await?);
+        let released: Acked<i64> = self.query(eval, &key, Unawaited::Send, false).await?;
+        let released = fenced(released.reply);
         if let (Fenced::Applied, Some(ending)) = (released, ending) {
             ending.released();
         }
@@ -941,8 +1081,10 @@ impl Store for RedisStore {
         let deadline = deadline(lease).to_be_bytes();
         let lease = millis(lease).to_string();
         let key = self.redis_key(scope);
-        self.eval_fenced(&EXTEND, &key, token, &[lease.as_bytes(), &deadline], false)
-            .await
+        let extended = self
+            .eval_fenced(&EXTEND, &key, token, &[lease.as_bytes(), &deadline], false)
+            .await?;
+        Ok(extended.reply)
     }
 
     async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {

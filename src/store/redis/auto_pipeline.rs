@@ -19,7 +19,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use redis::{Arg, Cmd, ErrorKind, Pipeline, RedisError, RedisResult, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use super::replicas::Replicas;
+use super::replicas::{Replicas, Replied};
 
 /// Most commands in one write: a bound on how long a batch's first command waits for the
 /// rest to be encoded and answered.
@@ -41,7 +41,7 @@ pub(super) struct Queued {
 }
 
 /// Where a command's reply goes.
-pub(super) type Reply = oneshot::Sender<RedisResult<Value>>;
+pub(super) type Reply = oneshot::Sender<RedisResult<Replied>>;
 
 /// Where batches go: one server, or the masters of a cluster.
 pub(super) trait BatchSink: Send + Sync + 'static {
@@ -91,7 +91,7 @@ impl<T: BatchSink> AutoPipeline<T> {
     /// queued behind a busy runtime counts, not only time on the wire. A command that times
     /// out before its batch leaves is sent or not as `unawaited` says. With `acks`, the
     /// reply comes once that many replicas have the write (one `WAIT` closes each batch
-    /// that needs it), or as an error when they do not in time. `slot` is the cluster slot
+    /// that needs it), or once they did not in time, saying so. `slot` is the cluster slot
     /// of the command's key.
     pub(super) async fn query(
         &self,
@@ -100,7 +100,7 @@ impl<T: BatchSink> AutoPipeline<T> {
         timeout: Duration,
         unawaited: Unawaited,
         acks: Option<Replicas>,
-    ) -> RedisResult<Value> {
+    ) -> RedisResult<Replied> {
         let (reply, answer) = oneshot::channel();
         self.enqueue(Queued {
             command,
@@ -231,8 +231,8 @@ impl Batch {
     }
 
     /// Each command's own reply, from what the pipeline answered: a server error as `Err`,
-    /// and so a write whose replicas did not acknowledge it.
-    pub(super) fn results(&self, mut values: Vec<Value>) -> RedisResult<Vec<RedisResult<Value>>> {
+    /// and for a write that needed replicas, whether they acknowledged it.
+    pub(super) fn results(&self, mut values: Vec<Value>) -> RedisResult<Vec<RedisResult<Replied>>> {
         if values.len() != self.expected() {
             return Err(RedisError::from((
                 ErrorKind::Client,
@@ -245,9 +245,9 @@ impl Batch {
             .into_iter()
             .zip(&self.acks)
             .map(|(value, acks)| {
-                value.extract_error().and_then(|value| match acks {
-                    Some(acks) => acks.check(acknowledged.as_ref()).map(|()| value),
-                    None => Ok(value),
+                value.extract_error().map(|value| match acks {
+                    Some(acks) => acks.replied(value, acknowledged.as_ref()),
+                    None => Replied::plain(value),
                 })
             })
             .collect())
@@ -290,7 +290,7 @@ mod tests {
         sizes: &[usize],
     ) -> (
         mpsc::UnboundedReceiver<Queued>,
-        Vec<oneshot::Receiver<RedisResult<Value>>>,
+        Vec<oneshot::Receiver<RedisResult<Replied>>>,
     ) {
         let (sender, receiver) = mpsc::unbounded_channel();
         let mut answers = Vec::new();

@@ -27,7 +27,7 @@ use redis::{
 
 use super::{
     auto_pipeline::{Batch, BatchSink, Queued, Reply},
-    replicas::Replicas,
+    replicas::{Replicas, Replied},
 };
 
 /// Slots of a Redis Cluster.
@@ -102,13 +102,14 @@ impl Cluster {
 
     /// Sends `command` on its own, routed by the cluster connection (which follows
     /// redirects); with `acks`, with its `WAIT`.
-    async fn alone(&self, command: &Cmd, acks: Option<Replicas>) -> RedisResult<Value> {
+    async fn alone(&self, command: &Cmd, acks: Option<Replicas>) -> RedisResult<Replied> {
         let mut connection = self.connection.clone();
         match acks {
             None => connection
                 .req_packed_command(command)
                 .await?
-                .extract_error(),
+                .extract_error()
+                .map(Replied::plain),
             Some(acks) => acknowledged(&mut connection, command, acks).await,
         }
     }
@@ -263,7 +264,7 @@ async fn acknowledged(
     connection: &mut ClusterConnection,
     command: &Cmd,
     acks: Replicas,
-) -> RedisResult<Value> {
+) -> RedisResult<Replied> {
     let mut pipeline = Pipeline::with_capacity(2);
     pipeline
         .add_command(command.clone())
@@ -282,10 +283,7 @@ async fn acknowledged(
                     .extract_error()?;
             }
             Err(error) => return Err(error),
-            Ok(value) => {
-                acks.check(wait.as_ref())?;
-                return Ok(value);
-            }
+            Ok(value) => return Ok(acks.replied(value, wait.as_ref())),
         }
     }
 }

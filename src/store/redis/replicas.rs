@@ -35,6 +35,15 @@ impl Replicas {
         }
     }
 
+    /// `value`, a write's reply, with whether `acknowledged` (what `WAIT` answered) says
+    /// enough replicas have it.
+    pub(super) fn replied(self, value: Value, acknowledged: Option<&Value>) -> Replied {
+        Replied {
+            value,
+            unacknowledged: self.check(acknowledged).err(),
+        }
+    }
+
     /// `Ok` when `WAIT` answered at least `count` replicas.
     pub(super) fn check(self, acknowledged: Option<&Value>) -> RedisResult<()> {
         match acknowledged {
@@ -50,6 +59,26 @@ impl Replicas {
                 "unexpected reply to WAIT",
                 format!("{other:?}"),
             ))),
+        }
+    }
+}
+
+/// A command's reply and, for a write that replicas were to acknowledge, whether they did:
+/// a write they did not acknowledge still happened on its master, and its reply says what
+/// it did (a claim that found a record wrote nothing at all).
+#[derive(Debug)]
+pub(super) struct Replied {
+    pub(super) value: Value,
+    /// Why the acknowledgement is missing, for a write that needed one.
+    pub(super) unacknowledged: Option<RedisError>,
+}
+
+impl Replied {
+    /// The reply of a command that needed no acknowledgement.
+    pub(super) fn plain(value: Value) -> Self {
+        Self {
+            value,
+            unacknowledged: None,
         }
     }
 }
