@@ -31,6 +31,7 @@ use reqwest::{
 };
 use serde_json::{json, Value};
 use support::{
+    logs::Logs,
     payments::{assert_id, charge, fresh_key, slow_charge, Api, Reply},
     redis_server::RedisServer,
     redis_topology::{RedisCluster, SentinelSet},
@@ -814,6 +815,45 @@ async fn a_claim_no_replica_acknowledges_is_released_and_answered_503() {
     blocking(move || drop(server)).await;
 }
 
+/// On one server with no replica at all, a claim that finds a completed record replays it:
+/// it wrote nothing, so no replica need acknowledge it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_needs_no_replica() {
+    let server = blocking(RedisServer::start).await;
+    let prefix = unique_prefix("replay_without_replica");
+    let open = || async {
+        RedisStore::open(&server.url())
+            .await
+            .expect("private Redis")
+            .prefix(prefix.clone())
+    };
+    // Recorded before replicas were asked for.
+    let plain = serve(Arc::new(open().await)).await;
+    let (key, payment) = (fresh_key(), charge(100));
+    let done = Api::new(plain.addr).pay(&key, "alice", &payment).await;
+    done.assert_payment(100, "usd");
+    let acked = open().await.replicas(1, Duration::from_millis(100));
+    let instance = serve(Arc::new(acked)).await;
+    let api = Api::new(instance.addr);
+    for _ in 0..5 {
+        api.pay(&key, "alice", &payment)
+            .await
+            .assert_replay_of(&done);
+    }
+    api.pay(&key, "alice", &charge(999)).await.assert_error(
+        StatusCode::CONFLICT,
+        "idempotency_key_reused_with_different_params",
+    );
+    // A new payment's claim writes, and is refused unacknowledged.
+    api.pay(&fresh_key(), "alice", &payment).await.assert_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency_store_unavailable",
+    );
+    assert_eq!(instance.stats.payments.load(Ordering::Relaxed), 0);
+    drop((plain, instance));
+    blocking(move || drop(server)).await;
+}
+
 // ---------------------------------------------------------------------------------------
 // A failover that leaves the new primary with no replica, with `replicas(1, ..)`.
 // ---------------------------------------------------------------------------------------
@@ -825,18 +865,20 @@ const ACROSS_FAILOVER: Duration = Duration::from_secs(16);
 /// answered from what their claims read, the running payment is answered once its handler
 /// ends (not a lease later), new payments get `503`, and once the old primary is back as
 /// a replica, new payments execute again, with no restart.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// On one thread: the logs this test reads are captured per thread.
+#[tokio::test]
 async fn with_no_replica_left_replays_go_on_and_new_claims_get_503_until_one_is_back() {
     failover_to_no_replica(false).await;
 }
 
 /// Best effort: the same, but new payments execute while no replica acknowledges.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn with_no_replica_left_best_effort_claims_execute() {
     failover_to_no_replica(true).await;
 }
 
 async fn failover_to_no_replica(best_effort: bool) {
+    let (logs, _capturing) = Logs::capture();
     let mut set = blocking(SentinelSet::start).await;
     let prefix = unique_prefix("no_replica_left");
     let mut store = sentinel_store(&set, &prefix, true).await;
@@ -882,9 +924,14 @@ async fn failover_to_no_replica(best_effort: bool) {
     // A new payment's claim is not acknowledged.
     let new_key = fresh_key();
     let fresh = api.pay(&new_key, "alice", &charge(300)).await;
+    let unacknowledged = |operation: &str| {
+        logs.has("WARN", "not acknowledged by its replicas in time")
+            && logs.has("WARN", &format!("operation=\"{operation}\""))
+    };
     if best_effort {
         fresh.assert_fresh();
         fresh.assert_payment(300, "usd");
+        assert!(unacknowledged("claim"), "the executed claim was not logged");
     } else {
         fresh.assert_error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -902,6 +949,7 @@ async fn failover_to_no_replica(best_effort: bool) {
         late < ACK_TIMEOUT + Duration::from_secs(5),
         "answered {late:?} after its handler ended"
     );
+    assert!(unacknowledged("complete"), "the completion was not logged");
     api.pay(&running_key, "alice", &slow_charge(running_ms))
         .await
         .assert_replay_of(&running);
@@ -942,6 +990,15 @@ async fn failover_to_no_replica(best_effort: bool) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(executed(), before + 1);
+    // The running payment's completion, written again meanwhile, is acknowledged too.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !logs.has("INFO", "acknowledged it after all") {
+        assert!(
+            Instant::now() < deadline,
+            "the completion was never acknowledged"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     drop(instance);
     blocking(move || drop(set)).await;
 }

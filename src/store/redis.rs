@@ -201,8 +201,8 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// A completion its replicas did not acknowledge is written again after this pause, then
 /// after pauses twice as long, up to the longest, this many times: about four minutes.
 const ACK_RETRY_FIRST: Duration = Duration::from_millis(500);
-const ACK_RETRY_MAX: Duration = Duration::from_secs(60);
-const ACK_RETRIES: usize = 10;
+const ACK_RETRY_MAX: Duration = Duration::from_secs(10);
+const ACK_RETRIES: usize = 26;
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
 /// A request waiting on a reconnection waits for these few quick attempts only: during an
 /// outage it must get its `503` in well under a second, not after a long backoff. The next
