@@ -708,3 +708,35 @@ fn the_parser_reads_labels_escapes_and_special_values() {
     assert_eq!(moved.get("new", &[]), 1.0);
     assert_eq!(moved.get("g", &[]), 0.0);
 }
+
+/// With replicas asked for and none attached, in best effort: the claim executes, and it
+/// and its completion are each counted unacknowledged once; the replay, which writes
+/// nothing, is answered and counted as nothing of the kind.
+#[tokio::test]
+async fn writes_no_replica_acknowledges_are_counted() {
+    const MISSING: &str = "idempotency_replica_acks_missing_total";
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let example = ExampleProcess::start(&[
+        ("REDIS_URL", url.as_str()),
+        ("IDEMPOTENCY_REPLICAS", "1"),
+        ("IDEMPOTENCY_REPLICAS_TIMEOUT_MS", "100"),
+        ("IDEMPOTENCY_REPLICAS_BEST_EFFORT", "1"),
+        ("IDEMPOTENCY_CACHE_RECORDS", "0"),
+    ])
+    .await;
+    let api = example.api();
+    let before = settled(&example).await;
+    let key = fresh_key();
+    let first = api.pay(&key, "alice", &charge(100)).await;
+    first.assert_payment(100, "usd");
+    api.pay(&key, "alice", &charge(100))
+        .await
+        .assert_replay_of(&first);
+    let (after, _) = moved_since(&example, &before).await;
+    for operation in ["claim", "complete"] {
+        let labels = [("operation", operation)];
+        let counted = after.get(MISSING, &labels) - before.get(MISSING, &labels);
+        assert_eq!(counted, 1.0, "{operation}");
+    }
+}
