@@ -9,6 +9,11 @@
 //! Listens on `GRPC_ADDR` (default `127.0.0.1:50051`); the store is chosen by the same
 //! variables as the `payments` example. The key is the `idempotency-key` metadata entry,
 //! the principal the user of `authorization: Bearer <user>`.
+//!
+//! Try it with `grpcurl` (the service registers no reflection: give it the message
+//! shapes of `service.rs`), or through `tests/grpc_tonic.rs`, which drives it with a tonic
+//! client: a `Charge` sent twice with one key runs once and answers the same `Payment`;
+//! `simulate: "decline"` is replayed as `FAILED_PRECONDITION`, `"error"` is released.
 
 mod service;
 #[path = "../payments/store.rs"]

@@ -6,6 +6,21 @@
 //! DATABASE_URL=postgres://localhost/app cargo run --example payments --features postgres
 //! ```
 //!
+//! Try it: the same request twice is one payment, replayed (`Idempotent-Replayed: true`);
+//! the key with another body is `409`; a slow payment's retry while it runs is `409` with
+//! `Retry-After`.
+//!
+//! ```sh
+//! pay() { curl -i localhost:3000/v1/payments -H "Idempotency-Key: $1" \
+//!   -H 'Authorization: Bearer alice' -H 'Content-Type: application/json' -d "$2"; }
+//! pay k1 '{"amount": 1000, "currency": "usd"}'   # 201, executed
+//! pay k1 '{"amount": 1000, "currency": "usd"}'   # 201, replayed, the same id
+//! pay k1 '{"amount": 5, "currency": "usd"}'      # 409 idempotency_key_reused_with_different_params
+//! pay k2 '{"amount": 1, "currency": "usd", "simulate": "slow", "delay_ms": 5000}' &
+//! pay k2 '{"amount": 1, "currency": "usd", "simulate": "slow", "delay_ms": 5000}' # 409 request_in_progress
+//! curl localhost:3000/v1/stats                   # handler executions
+//! ```
+//!
 //! Environment: `PAYMENTS_ADDR` (default `127.0.0.1:3000`); the store: `REDIS_URL` (one
 //! Redis), `REDIS_CLUSTER_URLS` (comma-separated seed nodes of a Redis Cluster),
 //! `REDIS_SENTINEL_URLS` (comma-separated sentinels) with `REDIS_SENTINEL_MASTER` (the
