@@ -20,7 +20,9 @@
 # test:*, the schema idempotency_tests, crash tests' databases; scripts/test-cleanup.sh),
 # then logs what is left ("left behind: ...") and fails if anything is.
 #
-# Extra arguments go to `cargo test` (for example a test name filter).
+# Extra arguments go to `cargo test` (for example `--test flow`, or a test name filter).
+# The tests that need a server are ignored by a plain `cargo test`: this script runs them
+# too (`--include-ignored`, added to the test binaries' arguments given after `--`, if any).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -142,4 +144,11 @@ ensure_postgres
 find_redis_targets "$given_cluster" "$given_sentinels"
 count_default_keys
 cleanup+=("remove_test_data; report_left_behind || left_behind=1")
-cargo test --all-features "$@"
+binary_args=(-- --include-ignored)
+for arg in "$@"; do
+  if [ "$arg" = -- ]; then
+    binary_args=(--include-ignored)
+    break
+  fi
+done
+cargo test --all-features "$@" "${binary_args[@]}"

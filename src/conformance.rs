@@ -61,22 +61,29 @@ const OTHER: Fingerprint = Fingerprint::from_bytes([2; 32]);
 /// The fingerprint of a request that only looks: it finds the key taken.
 const BYSTANDER: Fingerprint = Fingerprint::from_bytes([3; 32]);
 
-/// Expands into the list of cases for `$mode`: `tests ($store)` one `#[tokio::test]` per
-/// case, `futures ($store)` a `Vec` of each case's future. Not public API: the one list of
-/// cases behind [`store_conformance_tests!`] and [`conformance::run_all`].
+/// Expands into the list of cases for `$mode`: `tests ({attributes} $store)` one
+/// `#[tokio::test]` per case, each with the attributes in braces, `futures ($store)` a `Vec`
+/// of each case's future. Not public API: the one list of cases behind
+/// [`store_conformance_tests!`] and [`conformance::run_all`].
 ///
 /// [`conformance::run_all`]: crate::conformance::run_all
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __store_conformance_cases {
-    (@each tests ($store:expr) [$($case:ident)*]) => {
+    // The attributes travel as one token tree: a list repeated once per case cannot be
+    // spelled out inside the repetition over the cases.
+    (@each tests ($attributes:tt $store:expr) [$($case:ident)*]) => {
         $(
-            #[::tokio::test]
-            async fn $case() {
-                let store = ($store).await;
-                $crate::conformance::$case(&store).await;
-            }
+            $crate::__store_conformance_cases!(@test $attributes $case ($store));
         )*
+    };
+    (@test {$(#[$attribute:meta])*} $case:ident ($store:expr)) => {
+        #[::tokio::test]
+        $(#[$attribute])*
+        async fn $case() {
+            let store = ($store).await;
+            $crate::conformance::$case(&store).await;
+        }
     };
     (@each futures ($store:expr) [$($case:ident)*]) => {
         ::std::vec![$(
@@ -118,6 +125,11 @@ macro_rules! __store_conformance_cases {
 /// The tests are Tokio tests: the crate that uses the macro needs `tokio` with the features
 /// `macros` and `rt` among its dev-dependencies.
 ///
+/// Attributes written before the module's name go on every test. `#[ignore = "…"]` keeps
+/// the cases of a store that needs a server out of a plain `cargo test`, which then passes
+/// where that server is missing and reports them as ignored, with the reason given;
+/// `cargo test -- --include-ignored` runs them where the server is.
+///
 /// # Example
 ///
 /// ```
@@ -133,15 +145,33 @@ macro_rules! __store_conformance_cases {
 /// tower_idempotency::store_conformance_tests!(cached_memory, cached());
 /// # fn main() {}
 /// ```
+///
+/// A store on a server, its tests ignored unless asked for:
+///
+/// ```
+/// use tower_idempotency::MemoryStore;
+///
+/// // Stands in for a store that connects to its server.
+/// async fn connect() -> MemoryStore {
+///     MemoryStore::new()
+/// }
+///
+/// tower_idempotency::store_conformance_tests!(
+///     #[ignore = "needs the store's server: cargo test -- --include-ignored"]
+///     on_the_server,
+///     connect()
+/// );
+/// # fn main() {}
+/// ```
 #[macro_export]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 macro_rules! store_conformance_tests {
-    ($module:ident, $store:expr $(,)?) => {
+    ($(#[$attribute:meta])* $module:ident, $store:expr $(,)?) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
 
-            $crate::__store_conformance_cases!(tests($store));
+            $crate::__store_conformance_cases!(tests({$(#[$attribute])*} $store));
         }
     };
 }

@@ -33,6 +33,7 @@ async fn hyper_client_pays_once_through_loss_on_memory() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn hyper_client_pays_once_through_loss_on_redis() {
     let url = support::redis_url();
     exactly_once_through_loss(&[("REDIS_URL", &url)], Http::Hyper, 200).await;
@@ -44,6 +45,7 @@ async fn reqwest_client_pays_once_through_loss_on_memory() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn reqwest_client_pays_once_through_loss_on_redis() {
     let url = support::redis_url();
     exactly_once_through_loss(&[("REDIS_URL", &url)], Http::Reqwest, 200).await;

@@ -31,11 +31,13 @@ const TTL_SECS: &str = "120";
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn redis_crashed_holder_frees_its_key_after_the_lease() {
     crashed_holder_frees_its_key_after_the_lease(("REDIS_URL", &support::redis_url())).await;
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_crashed_holder_frees_its_key_after_the_lease() {
     let database = Database::create().await;
     crashed_holder_frees_its_key_after_the_lease(("DATABASE_URL", database.url())).await;
@@ -44,6 +46,7 @@ async fn postgres_crashed_holder_frees_its_key_after_the_lease() {
 /// With a 2 s lease, a 7 s handler on A (more than three leases) keeps its key: B is told
 /// to wait at ~3 s and ~6 s, never executes, and replays A's answer once A is done.
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn redis_long_handler_stays_protected_while_its_holder_lives() {
     let (a, b) = start_two(("REDIS_URL", &support::redis_url()), 2).await;
     let payment = Payment::slow(Duration::from_secs(7));
@@ -69,6 +72,7 @@ async fn redis_long_handler_stays_protected_while_its_holder_lives() {
 /// apart from its idempotency record. Payments killed after their row and before their
 /// record leave the row, and each retry, once the lease ran out, writes another.
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_ledger_rows_written_before_a_crash_are_written_again_by_the_retry() {
     const IN_FLIGHT: usize = 5;
     let database = Database::create().await;
@@ -134,6 +138,7 @@ async fn postgres_ledger_rows_written_before_a_crash_are_written_again_by_the_re
 /// has.
 #[cfg(feature = "sqlx")]
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_transactional_ledger_rows_are_written_once_across_a_crash() {
     const IN_FLIGHT: usize = 5;
     let database = Database::create().await;
@@ -210,6 +215,7 @@ async fn postgres_transactional_ledger_rows_are_written_once_across_a_crash() {
 /// committed payment, and the ledger keeps its one row.
 #[cfg(feature = "sqlx")]
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_transactional_a_payment_committed_before_the_crash_replays_after_it() {
     let database = Database::create().await;
     let env = transactional_ledger(&database);
@@ -251,6 +257,7 @@ async fn postgres_transactional_a_payment_committed_before_the_crash_replays_aft
 /// holds exactly one row per payment, the one its answer names.
 #[cfg(feature = "sqlx")]
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_transactional_payments_under_retrying_load_survive_kills_exactly_once() {
     const CLIENTS: usize = 8;
     let database = Database::create().await;

@@ -267,11 +267,13 @@ async fn every_rejection_over_http_in_the_ietf_profile() {
 }
 
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn store_unavailable_and_not_replayable_in_the_default_profile() {
     store_unavailable_and_not_replayable(Profile::Json).await;
 }
 
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn store_unavailable_and_not_replayable_in_the_ietf_profile() {
     store_unavailable_and_not_replayable(Profile::Ietf).await;
 }
@@ -639,6 +641,7 @@ async fn a_renderers_own_retry_after_is_kept() {
 /// The store is a real Redis, stopped: the renderer renders the outage, and the layer adds
 /// the `Retry-After` the renderer does not set.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_stripe_style_renderer_renders_an_unreachable_store() {
     let mut redis = RedisServer::start();
     let store: Arc<dyn Store> = Arc::new(RedisStore::open(&redis.url()).await.unwrap());

@@ -105,6 +105,7 @@ async fn a_panic_leaves_concurrent_requests_on_other_keys_alone(store: Arc<dyn S
 /// the failed recording is logged. The restarted Redis is empty (it keeps nothing on disk
 /// here), so the record is gone and a retry executes again — the documented outcome.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn store_failure_after_the_handler_ran_still_answers() {
     let (logs, _guard) = Logs::capture();
     let mut server = RedisServer::start();
@@ -160,6 +161,7 @@ async fn store_failure_after_the_handler_ran_still_answers() {
 /// A client that goes away while its claim is in flight must not leave the key held for a
 /// whole lease: the layer releases the claim it never saw answered.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_request_dropped_mid_claim_frees_its_key() {
     let server = RedisServer::start();
     let store: Arc<dyn Store> = Arc::new(RedisStore::open(&server.url()).await.unwrap());
@@ -187,6 +189,7 @@ async fn a_request_dropped_mid_claim_frees_its_key() {
 
 /// Fail-open is explicit, executes while the store is down, and logs every such request.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn fail_open_executes_without_the_store_and_logs_each_request() {
     let (logs, _guard) = Logs::capture();
     let mut server = RedisServer::start();
@@ -214,6 +217,7 @@ async fn fail_open_executes_without_the_store_and_logs_each_request() {
 /// A claim Redis refused the connection for was never sent: the request gets its 503, and
 /// no release follows it (during an outage, one would only double the failed attempts).
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_claim_that_never_reached_redis_is_not_released() {
     let (logs, _guard) = Logs::capture();
     let mut server = RedisServer::start();

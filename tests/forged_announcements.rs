@@ -240,6 +240,7 @@ fn forged_record(fingerprint: Fingerprint) -> Record {
 /// channel, along with other made-up payloads. The duplicate waiting on the other instance
 /// takes none of it.
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_a_role_that_reads_the_table_cannot_forge_a_completion() {
     let request = || post("/pay").key("read-by-a-role").body("amount=100");
     let waiting = postgres_waiting(|layer| layer, request).await;
@@ -277,6 +278,7 @@ async fn postgres_a_role_that_reads_the_table_cannot_forge_a_completion() {
 /// sequential key can be guessed, and so can a fingerprint of a plain body: it forges a
 /// completion for the guessed scope with a token of its own. The duplicate takes none of it.
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_a_role_that_only_connects_cannot_forge_a_completion_for_a_guessed_scope() {
     let by_user = |_: &http::request::Parts| Some("user_1001".to_owned());
     let guessed = || post("/pay").key("order-1002").body("amount=100");
@@ -302,6 +304,7 @@ async fn postgres_a_role_that_only_connects_cannot_forge_a_completion_for_a_gues
 /// channel of another payment a duplicate waits on, and publishes garbage there too. The
 /// channels show no principal and no idempotency key, and the duplicate takes nothing.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn redis_a_pubsub_client_cannot_move_an_announcement_to_another_key() {
     pubsub_client_moves_an_announcement(None).await;
 }
@@ -310,6 +313,7 @@ async fn redis_a_pubsub_client_cannot_move_an_announcement_to_another_key() {
 /// message carries X's record and a valid signature, for X's channel. Moved to Y's, it
 /// does not verify, and the duplicate reads its own key.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn redis_a_pubsub_client_cannot_move_a_signed_record_to_another_key() {
     pubsub_client_moves_an_announcement(Some(b"the instances' shared secret")).await;
 }

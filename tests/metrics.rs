@@ -529,6 +529,7 @@ async fn a_response_too_large_to_keep_is_counted_not_replayable() {
 /// On Redis with the local cache in front: the store calls are labelled `redis`, a claim
 /// the cache cannot answer is a miss, and a replay of a record read once is a hit.
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn the_cache_in_front_of_redis_counts_its_hits_and_misses() {
     let url = redis_url();
     let example = ExampleProcess::start(&[("REDIS_URL", url.as_str())]).await;
@@ -581,6 +582,7 @@ async fn the_cache_in_front_of_redis_counts_its_hits_and_misses() {
 /// Redis gone: a failed claim is an `error`, and the request is refused
 /// (`store_unavailable`) or, failing open, executed unprotected (`fail_open`).
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn an_unreachable_store_is_counted_unavailable_or_fail_open() {
     let mut redis = RedisServer::start();
     let url = redis.url();
@@ -631,6 +633,7 @@ async fn an_unreachable_store_is_counted_unavailable_or_fail_open() {
 /// A key taken from its holder while the handler runs: the holder's fenced write is
 /// refused, counted as a lost fence on `complete`.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_write_refused_by_the_fence_is_counted() {
     let redis = RedisServer::start();
     let url = redis.url();

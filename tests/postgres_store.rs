@@ -77,6 +77,7 @@ async fn row_count(store: &PostgresStore) -> i64 {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn migrate_is_idempotent_and_names_are_validated() {
     let store = support::postgres_store().await;
     store.migrate().await.unwrap();
@@ -104,6 +105,7 @@ async fn migrate_is_idempotent_and_names_are_validated() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn rows_hold_the_scope_and_the_response_byte_exact() {
     let store = support::postgres_store().await;
     let scope = scope("k-1", Some("alice"));
@@ -169,6 +171,7 @@ async fn row_version(store: &PostgresStore, key: &str) -> (String, String) {
 /// progress within its lease) neither locks nor rewrites the row, so it is no write for
 /// the database to flush at commit.
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn claims_that_find_their_key_held_leave_the_row_untouched() {
     let store = support::postgres_store().await;
     let completed = scope("held-completed", None);
@@ -191,6 +194,7 @@ async fn claims_that_find_their_key_held_leave_the_row_untouched() {
 /// A connection's first claim prepares the writes that follow it too: a completion never
 /// waits for a preparation of its own on a connection that so far only claimed.
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn a_connections_first_claim_prepares_the_writes_after_it() {
     let migrated = support::postgres_store().await;
     let (schema, table) = migrated.table_name().split_once('.').unwrap();
@@ -210,6 +214,7 @@ async fn a_connections_first_claim_prepares_the_writes_after_it() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn expired_rows_are_never_replayed_and_are_purged() {
     let store = support::postgres_store().await;
     complete(&store, &scope("old", None), Duration::from_millis(100)).await;
@@ -222,6 +227,7 @@ async fn expired_rows_are_never_replayed_and_are_purged() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn keep_completed_leaves_an_audit_trail_that_is_never_replayed() {
     let store = support::postgres_store().await.keep_completed();
     complete(&store, &scope("audited", None), Duration::from_millis(100)).await;
@@ -242,6 +248,7 @@ async fn keep_completed_leaves_an_audit_trail_that_is_never_replayed() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn background_purge_runs_periodically() {
     let store = support::postgres_store().await;
     let purge = store.spawn_purge(Duration::from_millis(100));
@@ -349,6 +356,7 @@ async fn expired_rows(store: &PostgresStore, prefix: &str, n: usize) {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn purge_deletes_in_bounded_batches_and_skips_locked_rows() {
     let store = support::postgres_store().await.purge_batch(2);
     expired_rows(&store, "expired", 5).await;
@@ -426,6 +434,7 @@ fn unique_table(prefix: &str) -> String {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn resource_id_comes_from_location_or_the_chosen_extractor() {
     let store = support::postgres_store().await;
     complete_with(&store, &scope("by-location", None), &created("pay_1")).await;
@@ -468,6 +477,7 @@ fn readme_reconciliation_query(keys: &str, payments: &str) -> String {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn readme_reconciliation_query_joins_payments_to_their_requests() {
     let store = support::postgres_store().await.count_replays();
     let payments = unique_table("payments");
@@ -531,6 +541,7 @@ async fn readme_reconciliation_query_joins_payments_to_their_requests() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn replays_are_counted_in_the_statement_that_reads_them() {
     let plain = support::postgres_store().await;
     let counting = plain.clone().count_replays();
@@ -615,6 +626,7 @@ async fn pay(app: &Router, key: &str, body: &'static str) -> http::Response<Body
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn a_cache_in_front_of_a_counting_store_lets_every_replay_be_counted() {
     let store = support::postgres_store().await.count_replays();
     let cached = tower_idempotency::store::CachedStore::new(store.clone(), 1000);
@@ -659,6 +671,7 @@ async fn reading(table: &str) -> tokio_postgres::Client {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn migrate_on_an_up_to_date_table_waits_for_no_open_reader() {
     let store = support::postgres_store().await;
     let table = store.table_name().to_owned();
@@ -688,6 +701,7 @@ async fn migrate_on_an_up_to_date_table_waits_for_no_open_reader() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn a_migration_blocked_by_an_open_writer_gives_up_and_changes_nothing() {
     support::postgres_store().await; // the test schema
     let table = unique_table("blocked");
@@ -728,6 +742,7 @@ async fn a_migration_blocked_by_an_open_writer_gives_up_and_changes_nothing() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn concurrent_migrations_of_a_fresh_table_all_succeed() {
     support::postgres_store().await; // the test schema
     let table = unique_table("fresh");
@@ -752,6 +767,7 @@ async fn concurrent_migrations_of_a_fresh_table_all_succeed() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn long_schema_and_table_names_get_all_their_indexes() {
     let schema = format!("idempotency_tests_long_{:016x}_s", rand::random::<u64>());
     let name = format!("long_table_{:016x}_ttt", rand::random::<u64>());
@@ -793,6 +809,7 @@ async fn long_schema_and_table_names_get_all_their_indexes() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn a_purge_never_deletes_a_row_a_concurrent_claim_took() {
     let store = support::postgres_store().await.purge_batch(3);
     let table = store.table_name().to_owned();

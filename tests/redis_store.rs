@@ -369,6 +369,7 @@ impl CommandCounter {
 // 1. Round trips per request.
 
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn each_request_costs_the_documented_round_trips() {
     let server = RedisServer::start();
     let layer =
@@ -437,6 +438,7 @@ fn commands_and_reads(server: &RedisServer) -> (u64, u64) {
 // One worker, as on a server pinned to one core: each request's task runs in turn, and
 // without batching the connection would write each command as soon as its task yields.
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn commands_of_concurrent_requests_share_writes() {
     const REQUESTS: u64 = 200;
     let server = RedisServer::start();
@@ -482,6 +484,7 @@ async fn commands_of_concurrent_requests_share_writes() {
 }
 
 #[tokio::test(flavor = "current_thread")]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_claim_dropped_before_its_batch_leaves_is_never_sent() {
     let server = RedisServer::start();
     let store = RedisStore::open(&server.url()).await.unwrap();
@@ -532,6 +535,7 @@ async fn lease_left(store: &RedisStore, scope: &Scope, expected: Fingerprint) ->
 }
 
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn a_lost_claim_can_neither_complete_release_nor_extend_the_new_one() {
     let (store, _) = isolated_store("fencing").await;
     let scope = scope(&new_key("fenced"));
@@ -612,6 +616,7 @@ fn binary_response() -> StoredResponse {
 }
 
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn records_are_byte_exact_one_key_each_with_redis_ttl() {
     let (store, prefix) = isolated_store("bytes").await;
     let mut redis = raw_connection(&support::redis_url()).await;
@@ -672,6 +677,7 @@ async fn records_are_byte_exact_one_key_each_with_redis_ttl() {
 // 4. Exactly once across independent layers.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn two_layers_on_two_connections_execute_a_key_once() {
     const PER_LAYER: usize = 16;
     let prefix = support::unique_prefix("two-layers");
@@ -725,6 +731,7 @@ async fn two_layers_on_two_connections_execute_a_key_once() {
 const OUTAGE_BOUND: Duration = Duration::from_secs(15);
 
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn an_outage_fails_closed_recovers_by_itself_or_fails_open() {
     let mut server = RedisServer::start();
     let handler = Handler::default();
@@ -799,6 +806,7 @@ async fn an_outage_fails_closed_recovers_by_itself_or_fails_open() {
 /// timeout, not when Redis answers, and the claim Redis applies afterwards is released, so
 /// the client's retry executes instead of meeting `409` for a whole lease.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_claim_answered_late_fails_closed_and_frees_its_key() {
     let server = RedisServer::start();
     // The connection's own response timeout (2 s) outlasts the pause: only the store's
@@ -834,6 +842,7 @@ async fn a_claim_answered_late_fails_closed_and_frees_its_key() {
 /// A store kept across runtimes (a static shared by tests that each run their own) keeps
 /// answering after the runtime it was first used in has shut down.
 #[test]
+#[ignore = "needs Redis: scripts/test.sh"]
 fn a_store_outlives_the_runtime_it_was_first_used_in() {
     let first = current_thread_runtime();
     let (store, _) = first.block_on(isolated_store("outlives"));
@@ -850,6 +859,7 @@ fn a_store_outlives_the_runtime_it_was_first_used_in() {
 /// A store opened in a runtime that has ended (its connection's driver went with it)
 /// answers the first claim made in the next one.
 #[test]
+#[ignore = "needs Redis: scripts/test.sh"]
 fn a_store_opened_in_a_runtime_that_ended_works_in_the_next() {
     let opening = current_thread_runtime();
     let (store, _) = opening.block_on(isolated_store("opened_elsewhere"));
@@ -885,6 +895,7 @@ fn current_thread_runtime() -> tokio::runtime::Runtime {
 // 6. Lease renewal.
 
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn a_running_handler_keeps_its_lease_past_three_leases() {
     let layer = IdempotencyLayer::new(support::redis_store("renewal").await)
         .allow_anonymous()
@@ -913,6 +924,7 @@ async fn a_running_handler_keeps_its_lease_past_three_leases() {
 /// ones do not; other processes (here, a second layer on its own connection) still read
 /// the record from Redis.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn cached_replays_make_no_round_trip_after_the_first() {
     let server = RedisServer::start();
     let redis = RedisStore::open(&server.url()).await.unwrap();
@@ -948,6 +960,7 @@ async fn cached_replays_make_no_round_trip_after_the_first() {
 /// A cached copy lives no longer than the record in Redis: once its TTL has run out, the
 /// key executes again, as it would without the cache.
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn a_cached_record_expires_with_the_record_in_redis() {
     let (redis, _prefix) = isolated_store("cache_ttl").await;
     let cache = CachedStore::new(redis, 100);
@@ -985,6 +998,7 @@ async fn a_cached_record_expires_with_the_record_in_redis() {
 /// the expiry every completed value carries) is refused as a store error: the layer
 /// answers `503`, and nothing is replayed or cached from it.
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn a_value_of_no_known_form_is_refused_never_replayed() {
     let (redis, _prefix) = isolated_store("no_expiry").await;
     let scope = scope(&new_key("unknown"));
@@ -1016,6 +1030,7 @@ async fn a_value_of_no_known_form_is_refused_never_replayed() {
 /// The cache answers what Redis no longer holds, so deleting the keys shows which
 /// records it kept: the newest ones, never more than its bound.
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn a_full_cache_keeps_its_newest_records_within_its_bound() {
     let (redis, _prefix) = isolated_store("cache_bound").await;
     let cache = CachedStore::new(redis.clone(), 32);

@@ -67,6 +67,7 @@ const LOAD_AFTER: Duration = Duration::from_secs(3);
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn keys_spread_over_every_master_and_a_storm_on_one_key_executes_once() {
     let clock = Clock::start("keys_spread");
     let cluster = blocking(|| RedisCluster::start(3, 1)).await;
@@ -171,6 +172,7 @@ async fn keys_spread_over_every_master_and_a_storm_on_one_key_executes_once() {
 /// as they reach a single server: a few reads per master carry hundreds of claims.
 // One worker, as on a server pinned to one core: each request's task runs in turn.
 #[tokio::test(flavor = "current_thread")]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn commands_of_concurrent_requests_share_writes_per_master() {
     const REQUESTS: u64 = 300;
     const LEASE: Duration = Duration::from_secs(30);
@@ -231,6 +233,7 @@ async fn commands_of_concurrent_requests_share_writes_per_master() {
 /// `REDIS_CLUSTER_URLS`, or `REDIS_SENTINEL_URLS` with `REDIS_SENTINEL_MASTER`, and waits for
 /// a replica with `IDEMPOTENCY_REPLICAS` (the shared topologies of the test script).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Redis Cluster and a Sentinel set: scripts/test.sh"]
 async fn the_payments_example_runs_on_a_cluster_and_behind_sentinel() {
     let env = |name: &str| {
         std::env::var(name).unwrap_or_else(|_| {
@@ -273,12 +276,14 @@ async fn the_payments_example_runs_on_a_cluster_and_behind_sentinel() {
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn cluster_failover_under_load_with_replica_acks_executes_nothing_twice() {
     let outcome = cluster_failover("cluster_failover_acks", true, Replication::Live).await;
     outcome.assert_exactly_once();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn cluster_failover_without_replica_acks_reports_double_executions() {
     let outcome = cluster_failover("cluster_failover_no_acks", false, Replication::Live).await;
     outcome.report_double_executions();
@@ -287,6 +292,7 @@ async fn cluster_failover_without_replica_acks_reports_double_executions() {
 /// As above, with the killed master's last writes lost: its replica stops replicating
 /// shortly before the master is killed, as a lagging replica would.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn cluster_failover_with_lagging_replica_with_replica_acks_executes_nothing_twice() {
     let test = "cluster_lagging_acks";
     let outcome = cluster_failover(test, true, Replication::Stalled).await;
@@ -294,6 +300,7 @@ async fn cluster_failover_with_lagging_replica_with_replica_acks_executes_nothin
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn cluster_failover_with_lagging_replica_without_replica_acks_reports_double_executions() {
     let test = "cluster_lagging_no_acks";
     let outcome = cluster_failover(test, false, Replication::Stalled).await;
@@ -388,12 +395,14 @@ async fn cluster_failover(test: &'static str, acks: bool, replication: Replicati
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn sentinel_failover_under_load_with_replica_acks_executes_nothing_twice() {
     let outcome = sentinel_failover("sentinel_failover_acks", true, Replication::Live).await;
     outcome.assert_exactly_once();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn sentinel_failover_without_replica_acks_reports_double_executions() {
     let outcome = sentinel_failover("sentinel_failover_no_acks", false, Replication::Live).await;
     outcome.report_double_executions();
@@ -402,6 +411,7 @@ async fn sentinel_failover_without_replica_acks_reports_double_executions() {
 /// As above, with the killed primary's last writes lost: its replica stops replicating
 /// shortly before the primary is killed, as a lagging replica would.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn sentinel_failover_with_lagging_replica_with_replica_acks_executes_nothing_twice() {
     let test = "sentinel_lagging_acks";
     let outcome = sentinel_failover(test, true, Replication::Stalled).await;
@@ -409,6 +419,7 @@ async fn sentinel_failover_with_lagging_replica_with_replica_acks_executes_nothi
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn sentinel_failover_with_lagging_replica_without_replica_acks_reports_double_executions() {
     let test = "sentinel_lagging_no_acks";
     let outcome = sentinel_failover(test, false, Replication::Stalled).await;
@@ -547,6 +558,7 @@ async fn sentinel_failover(test: &'static str, acks: bool, replication: Replicat
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn resharding_under_load_executes_once() {
     /// 2000 slots, moved a few hundred at a time while the load runs.
     const SLOTS_PER_STEP: usize = 400;
@@ -605,6 +617,7 @@ async fn resharding_under_load_executes_once() {
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_claim_retried_after_its_reply_was_lost_is_still_the_claimers() {
     let cluster = blocking(|| RedisCluster::start(3, 0)).await;
     let prefix = unique_prefix("duplicate_claim");
@@ -749,6 +762,7 @@ async fn duplicates_apply_once(store: &RedisStore, topology: &str) {
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_claim_no_replica_acknowledges_is_released_and_answered_503() {
     let server = blocking(RedisServer::start).await;
     let prefix = unique_prefix("unacknowledged_claim");
@@ -1085,6 +1099,7 @@ async fn in_a_cluster_a_shard_left_with_no_replica_replays_and_refuses_new_claim
 /// must fail: a `WAIT` alone on a connection that has written nothing is answered at once,
 /// with every online replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_claim_whose_wait_is_sent_again_on_a_new_connection_is_not_acknowledged() {
     claim_while_its_wait_is_cut_off(Cutoff::DropConnections).await;
 }
@@ -1092,6 +1107,7 @@ async fn a_claim_whose_wait_is_sent_again_on_a_new_connection_is_not_acknowledge
 /// As above, with the master killed while the claim's `WAIT` blocks: sent again, a `WAIT`
 /// may reach another node, which answers for its own replicas.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_claim_whose_master_dies_during_its_wait_is_not_acknowledged() {
     claim_while_its_wait_is_cut_off(Cutoff::KillMaster).await;
 }

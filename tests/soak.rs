@@ -65,6 +65,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
 const RECOVERY_GRACE: Duration = Duration::from_secs(5);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn mixed_traffic_across_two_instances_through_a_redis_restart() {
     let started = Instant::now();
     let redis = RedisServer::start();

@@ -80,11 +80,13 @@ const LEASE: Duration = Duration::from_secs(30);
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn redis_restarted_mid_storm_executes_nothing_twice_gap_500ms() {
     redis_restarted_mid_storm_executes_nothing_twice(Duration::from_millis(500)).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn redis_restarted_mid_storm_executes_nothing_twice_gap_2s() {
     redis_restarted_mid_storm_executes_nothing_twice(Duration::from_secs(2)).await;
 }
@@ -121,6 +123,7 @@ async fn redis_restarted_mid_storm_executes_nothing_twice(gap: Duration) {
 /// sends meanwhile fails, its retries included, as in a failover. Without the lock a
 /// statement takes a millisecond, and a termination would hardly ever catch one.
 #[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_connections_terminated_mid_storm_execute_nothing_twice() {
     let application = format!("store_blips_{:016x}", rand::random::<u64>());
     let store = postgres_store(&application).await;
@@ -155,6 +158,7 @@ async fn graceful_shutdown_waits_for_detached_executions_memory() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn graceful_shutdown_waits_for_detached_executions_redis() {
     let store = support::redis_store("graceful_shutdown_waits_for_detached_executions").await;
     graceful_shutdown_waits_for_detached_executions(Arc::new(store)).await;

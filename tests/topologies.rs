@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use support::redis_topology::{RedisCluster, SentinelSet};
 
 #[test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 fn cluster_forms_serves_reshards_and_fails_over() {
     let started = Instant::now();
     let mut cluster = RedisCluster::start(3, 1);
@@ -81,6 +82,7 @@ fn cluster_forms_serves_reshards_and_fails_over() {
 }
 
 #[test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 fn sentinel_set_forms_and_fails_over() {
     let started = Instant::now();
     let mut set = SentinelSet::start_with(true);

@@ -39,6 +39,7 @@ macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod postgres_conformance {
             $(#[tokio::test]
+            #[ignore = "needs PostgreSQL: scripts/test.sh"]
             async fn $case() {
                 let store = super::Driver::TokioPostgres.transactional().await;
                 tower_idempotency::conformance::$case(&store).await;
@@ -46,6 +47,7 @@ macro_rules! conformance {
         }
         mod sqlx_conformance {
             $(#[tokio::test]
+            #[ignore = "needs PostgreSQL: scripts/test.sh"]
             async fn $case() {
                 let store = super::Driver::Sqlx.transactional().await;
                 tower_idempotency::conformance::$case(&store).await;
@@ -55,6 +57,7 @@ macro_rules! conformance {
         // driver otherwise reads in it.
         mod postgres_counting_conformance {
             $(#[tokio::test]
+            #[ignore = "needs PostgreSQL: scripts/test.sh"]
             async fn $case() {
                 let store = super::Driver::TokioPostgres.transactional().await.count_replays();
                 tower_idempotency::conformance::$case(&store).await;
@@ -89,12 +92,14 @@ macro_rules! on_both_drivers {
     ($($case:ident),* $(,)?) => {
         mod tokio_postgres_driver {
             $(#[tokio::test]
+            #[ignore = "needs PostgreSQL: scripts/test.sh"]
             async fn $case() {
                 super::$case(super::Driver::TokioPostgres).await
             })*
         }
         mod sqlx_driver {
             $(#[tokio::test]
+            #[ignore = "needs PostgreSQL: scripts/test.sh"]
             async fn $case() {
                 super::$case(super::Driver::Sqlx).await
             })*

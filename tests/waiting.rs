@@ -39,20 +39,33 @@ macro_rules! on_announcing_stores {
     };
     ($($case:ident),* $(,)?) => {
         mod announcing {
-            on_announcing!(redis, crate::support::redis_store; $($case),*);
-            on_announcing!(redis_cluster, crate::support::cluster_store; $($case),*);
-            on_announcing!(redis_sentinel, crate::support::sentinel_store; $($case),*);
-            on_announcing!(postgres, |_| crate::support::postgres_store(); $($case),*);
+            on_announcing!(
+                #[ignore = "needs Redis: scripts/test.sh"]
+                redis, crate::support::redis_store; $($case),*
+            );
+            on_announcing!(
+                #[ignore = "needs a Redis Cluster and a Sentinel set: scripts/test.sh"]
+                redis_cluster, crate::support::cluster_store; $($case),*
+            );
+            on_announcing!(
+                #[ignore = "needs a Redis Cluster and a Sentinel set: scripts/test.sh"]
+                redis_sentinel, crate::support::sentinel_store; $($case),*
+            );
+            on_announcing!(
+                #[ignore = "needs PostgreSQL: scripts/test.sh"]
+                postgres, |_| crate::support::postgres_store(); $($case),*
+            );
         }
     };
 }
 
 /// The cases as `$module::case`, each on the store that `$open(case name)` opens, made to
-/// announce its outcomes.
+/// announce its outcomes, with the attribute `$attr` (the server that store needs).
 macro_rules! on_announcing {
-    ($module:ident, $open:expr; $($case:ident),*) => {
+    (#[$attr:meta] $module:ident, $open:expr; $($case:ident),*) => {
         mod $module {
             $(#[tokio::test]
+            #[$attr]
             async fn $case() {
                 let store = ($open)(stringify!($case)).await;
                 super::super::$case(std::sync::Arc::new(store.announce_outcomes())).await
@@ -267,6 +280,7 @@ async fn a_waiter_that_goes_away_leaves_nothing_behind_in_memory() {
 }
 
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn a_waiter_that_goes_away_leaves_nothing_behind_on_redis() {
     let store = crate::support::redis_store("waiter-goes-away").await;
     let watching = Watching::Redis(store.announce_outcomes());
@@ -274,6 +288,7 @@ async fn a_waiter_that_goes_away_leaves_nothing_behind_on_redis() {
 }
 
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn a_waiter_that_goes_away_leaves_nothing_behind_on_postgres() {
     let store = crate::support::postgres_store().await;
     let watching = Watching::Postgres(store.announce_outcomes());

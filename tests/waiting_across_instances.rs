@@ -55,22 +55,25 @@ enum Nodes {
 }
 
 /// Runs each listed `async fn case(instances: Instances)` on the instances that each
-/// `$setup` opens, as `$setup::case`.
+/// `$setup` opens, as `$setup::case`, with the attribute given before that setup (the
+/// server its store needs).
 macro_rules! across_instances {
-    ($setup:ident $(, $more:ident)*: $($case:ident),* $(,)?) => {
+    (#[$attr:meta] $setup:ident $(, #[$more_attr:meta] $more:ident)*: $($case:ident),* $(,)?) => {
         mod $setup {
             $(#[tokio::test]
+            #[$attr]
             async fn $case() {
                 super::$case(super::$setup().await).await
             })*
         }
-        across_instances!($($more),*: $($case),*);
+        across_instances!($(#[$more_attr] $more),*: $($case),*);
     };
     (: $($case:ident),* $(,)?) => {};
 }
 
 across_instances!(
-    postgres: a_duplicate_on_another_instance_gets_the_replay,
+    #[ignore = "needs PostgreSQL: scripts/test.sh"] postgres:
+    a_duplicate_on_another_instance_gets_the_replay,
     the_duplicates_on_another_instance_read_the_key_once,
     a_large_record_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
@@ -82,7 +85,10 @@ across_instances!(
     a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
 );
 across_instances!(
-    redis, redis_cluster, redis_sentinel: a_duplicate_on_another_instance_gets_the_replay,
+    #[ignore = "needs Redis: scripts/test.sh"] redis,
+    #[ignore = "needs a Redis Cluster and a Sentinel set: scripts/test.sh"] redis_cluster,
+    #[ignore = "needs a Redis Cluster and a Sentinel set: scripts/test.sh"] redis_sentinel:
+    a_duplicate_on_another_instance_gets_the_replay,
     the_duplicates_on_another_instance_read_the_key_once,
     a_large_record_is_read_once_for_the_duplicates,
     a_duplicate_on_another_instance_executes_when_the_original_is_released,
@@ -94,7 +100,9 @@ across_instances!(
     a_waiter_on_another_instance_that_goes_away_leaves_nothing_behind,
 );
 across_instances!(
-    redis_signed, redis_cluster_signed: a_duplicate_on_another_instance_gets_the_replay,
+    #[ignore = "needs Redis: scripts/test.sh"] redis_signed,
+    #[ignore = "needs a Redis Cluster and a Sentinel set: scripts/test.sh"] redis_cluster_signed:
+    a_duplicate_on_another_instance_gets_the_replay,
     the_duplicates_on_another_instance_are_handed_the_record,
     a_larger_record_is_handed_to_the_duplicates_that_listen,
     a_large_record_is_read_once_for_the_duplicates,
@@ -572,6 +580,7 @@ async fn postgres_on(qualified: &str) -> PostgresStore {
 /// The listener relays its own table's notifications, not another's: the same scope
 /// completed in another table wakes nothing.
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_listeners_relay_their_own_table_only() {
     let (a, b) = postgres_instances().await;
     let elsewhere = support::postgres_store().await.announce_outcomes();
@@ -593,6 +602,7 @@ async fn postgres_listeners_relay_their_own_table_only() {
 
 /// A key is watched while a watch on it lives, however many there are, and no longer.
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_watches_dropped_leave_nothing_watched() {
     let (_, b) = postgres_instances().await;
     assert_eq!(b.watched(), 0);
@@ -609,6 +619,7 @@ async fn postgres_watches_dropped_leave_nothing_watched() {
 /// A listening connection that is cut: its watches are woken (what was notified meanwhile
 /// is lost, so their waiters read their keys again), it listens again, and relays again.
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_listener_listens_again_after_its_connection_is_cut() {
     let (a, b) = postgres_instances().await;
     let scope = scope("cut");
@@ -645,6 +656,7 @@ async fn postgres_listener_listens_again_after_its_connection_is_cut() {
 /// A store keeps relaying when the runtime its listener ran in has ended (the listener went
 /// with it): the next watch opens another.
 #[test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 fn postgres_listener_outlives_the_runtime_it_ran_in() {
     let runtime = || {
         tokio::runtime::Builder::new_current_thread()
@@ -781,6 +793,7 @@ fn signing(a: RedisStore, b: RedisStore, secret: &[u8]) -> (RedisStore, RedisSto
 /// An instance whose secret is not the signer's cannot check the record a message
 /// carries: its waiters read the key, once for them all, and get the original's replay.
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn redis_an_instance_with_another_secret_reads_the_key() {
     let a = support::redis_store("waiting_across").await;
     let b = RedisStore::open(&support::redis_url()).await.unwrap();
@@ -883,6 +896,7 @@ async fn sentinels_primary(sentinels: &[String]) -> String {
 /// through A, woken by A's completion published on Redis; B's waiters share one
 /// subscription, which ends with the last of them.
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn redis_waiters_share_one_subscription_and_leave_none_behind() {
     let (a, b) = redis_instances().await;
     let handler = Handler::default();
@@ -989,6 +1003,7 @@ where
 /// Without `announce_outcomes` a Redis store publishes nothing, so it hands out no watch:
 /// its waiters read their key again rather than wait for a message that never comes.
 #[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
 async fn redis_without_announcements_hands_out_no_watch() {
     let store = support::redis_store("no_announcements").await;
     assert!(store.watch(&scope("k")).await.unwrap().is_none());
@@ -997,6 +1012,7 @@ async fn redis_without_announcements_hands_out_no_watch() {
 /// Without `announce_outcomes` a PostgreSQL store notifies nothing, so it hands out no
 /// watch: its waiters read their key again.
 #[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_without_announcements_hands_out_no_watch() {
     let store = support::postgres_store().await;
     assert!(store.watch(&scope("k")).await.unwrap().is_none());
@@ -1010,6 +1026,7 @@ async fn postgres_without_announcements_hands_out_no_watch() {
 /// to the same channel, on any node, hears nothing (a `PUBLISH` would reach every node);
 /// the waiter on the other instance is woken all the same.
 #[tokio::test]
+#[ignore = "needs a Redis Cluster and a Sentinel set: scripts/test.sh"]
 async fn redis_cluster_announces_on_the_keys_shard_only() {
     let instances = redis_cluster().await;
     let nodes = support::urls_from("REDIS_CLUSTER_URLS");
@@ -1063,6 +1080,7 @@ async fn redis_cluster_announces_on_the_keys_shard_only() {
 /// replica that takes over, and the completion made there wakes the waiter on the other
 /// instance, long before its lease or its bound would have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn redis_cluster_waiters_are_woken_after_their_shards_master_fails_over() {
     let cluster = blocking(|| RedisCluster::start(3, 1)).await;
     let open = || async { RedisStore::cluster(cluster.urls()).await.unwrap() };

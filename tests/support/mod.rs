@@ -14,7 +14,8 @@ pub mod redis_topology;
 
 /// Runs each listed `async fn case(store: Arc<dyn Store>)` on a `MemoryStore`, as
 /// `memory::case`, and on the shared Redis (own key prefix), as `redis::case`: for cases
-/// about the layer rather than the store.
+/// about the layer rather than the store. The cases on a server are ignored, with the
+/// reason naming the command that runs them.
 #[allow(unused_macros)] // Not every test file runs cases per store.
 macro_rules! on_memory_and_redis {
     ($($case:ident),* $(,)?) => {
@@ -26,6 +27,7 @@ macro_rules! on_memory_and_redis {
         }
         mod redis {
             $(#[tokio::test]
+            #[ignore = "needs Redis: scripts/test.sh"]
             async fn $case() {
                 super::$case(crate::support::shared_redis_store(stringify!($case)).await).await
             })*
@@ -43,6 +45,9 @@ macro_rules! on_memory_and_redis {
 /// Cases listed after `not_transactional:` skip the transactional stores: each says why
 /// in its own docs (a lease taken over, a running original's fingerprint), and the
 /// transactional suite shows what the mode does instead.
+///
+/// Every store but the `MemoryStore` needs a server: its cases are ignored, with the
+/// reason naming the command that runs them.
 #[allow(unused_macros)] // Not every test file runs cases per store.
 macro_rules! for_each_store {
     ($($case:ident),* $(,)?) => {
@@ -52,16 +57,19 @@ macro_rules! for_each_store {
         on_memory_and_redis!($($case,)* $($untransacted),*);
         mod postgres {
             $(#[tokio::test]
+            #[ignore = "needs PostgreSQL: scripts/test.sh"]
             async fn $case() {
                 super::$case(crate::support::shared_postgres_store().await).await
             })*
             $(#[tokio::test]
+            #[ignore = "needs PostgreSQL: scripts/test.sh"]
             async fn $untransacted() {
                 super::$untransacted(crate::support::shared_postgres_store().await).await
             })*
         }
         mod postgres_transactional {
             $(#[tokio::test]
+            #[ignore = "needs PostgreSQL: scripts/test.sh"]
             async fn $case() {
                 let store = crate::support::Driver::TokioPostgres.store().await;
                 super::$case(store).await
@@ -70,6 +78,7 @@ macro_rules! for_each_store {
         #[cfg(feature = "sqlx")]
         mod sqlx_transactional {
             $(#[tokio::test]
+            #[ignore = "needs PostgreSQL: scripts/test.sh"]
             async fn $case() {
                 super::$case(crate::support::Driver::Sqlx.store().await).await
             })*
@@ -78,12 +87,14 @@ macro_rules! for_each_store {
         for_each_store!(@redis redis_sentinel sentinel_store $($case,)* $($untransacted),*);
         mod cached_redis {
             $(#[tokio::test]
+            #[ignore = "needs Redis: scripts/test.sh"]
             async fn $case() {
                 let redis = crate::support::redis_store(stringify!($case)).await;
                 let cached = tower_idempotency::store::CachedStore::new(redis, 1000);
                 super::$case(std::sync::Arc::new(cached)).await
             })*
             $(#[tokio::test]
+            #[ignore = "needs Redis: scripts/test.sh"]
             async fn $untransacted() {
                 let redis = crate::support::redis_store(stringify!($untransacted)).await;
                 let cached = tower_idempotency::store::CachedStore::new(redis, 1000);
@@ -94,6 +105,7 @@ macro_rules! for_each_store {
     (@redis $module:ident $store:ident $($case:ident),* $(,)?) => {
         mod $module {
             $(#[tokio::test]
+            #[ignore = "needs a Redis Cluster and a Sentinel set: scripts/test.sh"]
             async fn $case() {
                 super::$case(std::sync::Arc::new(crate::support::$store(stringify!($case)).await)).await
             })*
