@@ -832,6 +832,7 @@ async fn a_claim_no_replica_acknowledges_is_released_and_answered_503() {
 /// On one server with no replica at all, a claim that finds a completed record replays it:
 /// it wrote nothing, so no replica need acknowledge it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn a_replay_needs_no_replica() {
     let server = blocking(RedisServer::start).await;
     let prefix = unique_prefix("replay_without_replica");
@@ -881,12 +882,14 @@ const ACROSS_FAILOVER: Duration = Duration::from_secs(16);
 /// a replica, new payments execute again, with no restart.
 // On one thread: the logs this test reads are captured per thread.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn with_no_replica_left_replays_go_on_and_new_claims_get_503_until_one_is_back() {
     failover_to_no_replica(false).await;
 }
 
 /// Best effort: the same, but new payments execute while no replica acknowledges.
 #[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn with_no_replica_left_best_effort_claims_execute() {
     failover_to_no_replica(true).await;
 }
@@ -1042,6 +1045,7 @@ async fn replays_go_on(api: &Api, key: &str, charge: &Value, done: &Reply) {
 /// In a cluster, a shard whose master failed over to its only replica: its replays and
 /// mismatches are answered from what their claims read, and its new payments get `503`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs redis-server: scripts/test.sh"]
 async fn in_a_cluster_a_shard_left_with_no_replica_replays_and_refuses_new_claims() {
     let cluster = blocking(|| RedisCluster::start(3, 1)).await;
     let prefix = unique_prefix("shard_without_replica");
