@@ -74,61 +74,22 @@ async fn redis_long_handler_stays_protected_while_its_holder_lives() {
 #[tokio::test]
 #[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_ledger_rows_written_before_a_crash_are_written_again_by_the_retry() {
-    const IN_FLIGHT: usize = 5;
     let database = Database::create().await;
-    let lease = CRASH_LEASE_SECS.to_string();
-    let env = [
-        ("DATABASE_URL", database.url()),
-        ("PAYMENTS_LEDGER", "postgres"),
-        ("IDEMPOTENCY_LEASE_SECS", &lease),
-        ("IDEMPOTENCY_TTL_SECS", TTL_SECS),
-    ];
-    let mut a = ExampleProcess::start(&env).await;
-    let b = a.start_another().await;
-    // The row first, then five seconds before the answer: A is killed in between.
-    let charge = serde_json::json!({
-        "amount": 1999, "currency": "usd", "simulate": "slow_after", "delay_ms": 5000
-    });
-    let keys: Vec<String> = (0..IN_FLIGHT).map(|_| fresh_key()).collect();
-    let firsts: Vec<_> = keys
-        .iter()
-        .map(|key| a.api().pay_in_background(key, "carol", &charge))
-        .collect();
-    let ledger = support::store_client(database.url()).await;
-    let rows = async || -> i64 {
-        let row = ledger.query_one("SELECT count(*) FROM payments", &[]);
-        row.await.expect("the ledger").get(0)
-    };
+    let crash = LedgerCrash::start(&database, false).await;
     eventually_within(DEADLINE, "every row written", async || {
-        (rows().await == IN_FLIGHT as i64).then_some(())
+        (crash.rows().await == LedgerCrash::IN_FLIGHT).then_some(())
     })
     .await;
-    a.kill();
-    for first in firsts {
-        assert!(first.await.is_err(), "the killed process answered");
-    }
+    let crash = crash.kill_a().await;
 
     // The client retries each payment on B until A's lease ran out and B executed it.
-    let retries = keys.iter().map(|key| {
-        let (api, charge) = (b.api().clone(), charge.clone());
-        async move {
-            eventually_within(TAKEOVER_DEADLINE, "the lease to run out", async || {
-                let reply = api.pay(key, "carol", &charge).await;
-                if reply.error_code().as_deref() == Some("request_in_progress") {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    return None;
-                }
-                Some(reply)
-            })
-            .await
-        }
-    });
-    for reply in futures_util::future::join_all(retries).await {
+    let retries = crash.retries_on_b(TAKEOVER_DEADLINE, "the lease to run out", 200);
+    for reply in retries.await {
         reply.assert_payment(1999, "usd");
     }
     assert_eq!(
-        rows().await,
-        2 * IN_FLIGHT as i64,
+        crash.rows().await,
+        2 * LedgerCrash::IN_FLIGHT,
         "each payment in flight at the crash has two ledger rows"
     );
 }
@@ -140,75 +101,123 @@ async fn postgres_ledger_rows_written_before_a_crash_are_written_again_by_the_re
 #[tokio::test]
 #[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn postgres_transactional_ledger_rows_are_written_once_across_a_crash() {
-    const IN_FLIGHT: usize = 5;
     let database = Database::create().await;
-    let lease = CRASH_LEASE_SECS.to_string();
-    let env = [
-        ("DATABASE_URL", database.url()),
-        ("PAYMENTS_LEDGER", "postgres"),
-        ("IDEMPOTENCY_TRANSACTIONAL", "1"),
-        ("IDEMPOTENCY_LEASE_SECS", &lease),
-        ("IDEMPOTENCY_TTL_SECS", TTL_SECS),
-    ];
-    let mut a = ExampleProcess::start(&env).await;
-    let b = a.start_another().await;
-    let charge = serde_json::json!({
-        "amount": 1999, "currency": "usd", "simulate": "slow_after", "delay_ms": 5000
-    });
-    let keys: Vec<String> = (0..IN_FLIGHT).map(|_| fresh_key()).collect();
-    let firsts: Vec<_> = keys
-        .iter()
-        .map(|key| a.api().pay_in_background(key, "carol", &charge))
-        .collect();
-    let ledger = support::store_client(database.url()).await;
+    let crash = LedgerCrash::start(&database, true).await;
     // Uncommitted rows are invisible: each transaction that inserted one holds the table's
     // row-exclusive lock until it ends.
     eventually_within(DEADLINE, "every row inserted", async || {
-        let row = ledger.query_one(
+        let row = crash.ledger.query_one(
             "SELECT count(*) FROM pg_locks
              WHERE relation = 'payments'::regclass AND mode = 'RowExclusiveLock' AND granted",
             &[],
         );
         let inserting: i64 = row.await.expect("pg_locks").get(0);
-        (inserting == IN_FLIGHT as i64).then_some(())
+        (inserting == LedgerCrash::IN_FLIGHT).then_some(())
     })
     .await;
-    a.kill();
-    for first in firsts {
-        assert!(first.await.is_err(), "the killed process answered");
-    }
-    let rows = async || -> i64 {
-        let row = ledger.query_one("SELECT count(*) FROM payments", &[]);
-        row.await.expect("the ledger").get(0)
-    };
-    assert_eq!(rows().await, 0, "a killed transaction committed its row");
+    let crash = crash.kill_a().await;
+    assert_eq!(
+        crash.rows().await,
+        0,
+        "a killed transaction committed its row"
+    );
 
     // The database rolled A's transactions back as its connections closed: B executes the
     // retries without waiting for a lease.
-    let retries = keys.iter().map(|key| {
-        let (api, charge) = (b.api().clone(), charge.clone());
-        async move {
-            eventually_within(DEADLINE, "A's transactions to end", async || {
-                let reply = api.pay(key, "carol", &charge).await;
-                if reply.error_code().as_deref() == Some("request_in_progress") {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    return None;
-                }
-                Some(reply)
-            })
-            .await
-        }
-    });
-    for reply in futures_util::future::join_all(retries).await {
+    let retries = crash.retries_on_b(DEADLINE, "A's transactions to end", 50);
+    for reply in retries.await {
         reply.assert_fresh();
         reply.assert_payment(1999, "usd");
     }
     assert_eq!(
-        rows().await,
-        IN_FLIGHT as i64,
+        crash.rows().await,
+        LedgerCrash::IN_FLIGHT,
         "each payment in flight at the crash has one ledger row"
     );
-    assert_ledger_matches_records(&ledger).await;
+    assert_ledger_matches_records(&crash.ledger).await;
+}
+
+/// Two instances of the example with its ledger on a database of their own, and five
+/// payments on A that write their row first and answer five seconds later: A is to be
+/// killed in between.
+struct LedgerCrash {
+    a: ExampleProcess,
+    b: ExampleProcess,
+    charge: Value,
+    keys: Vec<String>,
+    firsts: Vec<JoinHandle<Reply>>,
+    ledger: tokio_postgres::Client,
+}
+
+impl LedgerCrash {
+    const IN_FLIGHT: i64 = 5;
+
+    async fn start(database: &Database, transactional: bool) -> Self {
+        let lease = CRASH_LEASE_SECS.to_string();
+        let mut env = vec![
+            ("DATABASE_URL", database.url()),
+            ("PAYMENTS_LEDGER", "postgres"),
+            ("IDEMPOTENCY_LEASE_SECS", &lease),
+            ("IDEMPOTENCY_TTL_SECS", TTL_SECS),
+        ];
+        if transactional {
+            env.push(("IDEMPOTENCY_TRANSACTIONAL", "1"));
+        }
+        let a = ExampleProcess::start(&env).await;
+        let b = a.start_another().await;
+        let charge = serde_json::json!({
+            "amount": 1999, "currency": "usd", "simulate": "slow_after", "delay_ms": 5000
+        });
+        let keys: Vec<String> = (0..Self::IN_FLIGHT).map(|_| fresh_key()).collect();
+        let firsts = keys
+            .iter()
+            .map(|key| a.api().pay_in_background(key, "carol", &charge))
+            .collect();
+        let ledger = support::store_client(database.url()).await;
+        Self {
+            a,
+            b,
+            charge,
+            keys,
+            firsts,
+            ledger,
+        }
+    }
+
+    /// The ledger's committed rows.
+    async fn rows(&self) -> i64 {
+        let row = self.ledger.query_one("SELECT count(*) FROM payments", &[]);
+        row.await.expect("the ledger").get(0)
+    }
+
+    /// Kills A, whose payments then never answer.
+    async fn kill_a(mut self) -> Self {
+        self.a.kill();
+        for first in self.firsts.drain(..) {
+            assert!(first.await.is_err(), "the killed process answered");
+        }
+        self
+    }
+
+    /// Each payment sent again on B until it is no longer in progress (within `limit`,
+    /// waiting `pause_ms` between tries): the answers.
+    async fn retries_on_b(&self, limit: Duration, what: &str, pause_ms: u64) -> Vec<Reply> {
+        let retries = self.keys.iter().map(|key| {
+            let (api, charge) = (self.b.api().clone(), self.charge.clone());
+            async move {
+                eventually_within(limit, what, async || {
+                    let reply = api.pay(key, "carol", &charge).await;
+                    if reply.error_code().as_deref() == Some("request_in_progress") {
+                        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+                        return None;
+                    }
+                    Some(reply)
+                })
+                .await
+            }
+        });
+        futures_util::future::join_all(retries).await
+    }
 }
 
 /// Killed after its commit, before its client read the answer: the retry replays the

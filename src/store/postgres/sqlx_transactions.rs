@@ -4,7 +4,7 @@ use async_trait::async_trait;
 use sqlx::{postgres::PgRow, PgPool, Postgres, Row};
 
 use super::{
-    transactional::{Begun, Claiming, Driver, BEGIN_TIMEOUT},
+    transactional::{within_begin_timeout, Begun, Claiming, Driver},
     Completion, PostgresStoreError,
 };
 use crate::store::{Error, Result};
@@ -46,13 +46,8 @@ impl Driver for Sqlx {
         claiming: &Claiming<'_>,
         _counted: bool,
     ) -> Result<Begun<Self::Connection>> {
-        let mut transaction = tokio::time::timeout(BEGIN_TIMEOUT, self.pool.begin())
-            .await
-            .map_err(|_| {
-                Error::Unavailable(
-                    format!("no sqlx connection within {BEGIN_TIMEOUT:?} for a transaction").into(),
-                )
-            })?
+        let mut transaction = within_begin_timeout("sqlx", self.pool.begin())
+            .await?
             .map_err(error)?;
         let row: PgRow = sqlx::query(sql)
             .bind(claiming.key)

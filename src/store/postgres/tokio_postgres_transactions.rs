@@ -8,13 +8,10 @@ use tokio_postgres::types::ToSql;
 
 use super::{
     decode_claim_at,
-    transactional::{Begun, Claiming, Driver, BEGIN_TIMEOUT},
+    transactional::{within_begin_timeout, Begun, Claiming, Driver},
     Completion,
 };
-use crate::{
-    store::{Error, Result},
-    transaction::PooledTransaction,
-};
+use crate::{store::Result, transaction::PooledTransaction};
 
 /// Where the live row's columns begin in the claim's answer.
 const FOUND_COLUMNS: usize = 4;
@@ -44,14 +41,7 @@ impl Driver for Pooled {
         claiming: &Claiming<'_>,
         counted: bool,
     ) -> Result<Begun<PooledTransaction>> {
-        let client = tokio::time::timeout(BEGIN_TIMEOUT, self.pool.get())
-            .await
-            .map_err(|_| {
-                Error::Unavailable(
-                    format!("no pooled connection within {BEGIN_TIMEOUT:?} for a transaction")
-                        .into(),
-                )
-            })??;
+        let client = within_begin_timeout("pooled", self.pool.get()).await??;
         // From here on a failure closes the connection rather than pooling it mid-transaction.
         let transaction = PooledTransaction::new(client);
         let client = transaction.client();

@@ -29,6 +29,20 @@ use crate::{
 /// the layer answers `503` with `Retry-After`.
 pub(super) const BEGIN_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// `connecting` (a pool's connection, or a transaction on one), given up after
+/// [`BEGIN_TIMEOUT`] as [`Error::Unavailable`]: no transaction was begun.
+pub(super) async fn within_begin_timeout<T>(
+    pool: &str,
+    connecting: impl std::future::Future<Output = T>,
+) -> Result<T> {
+    tokio::time::timeout(BEGIN_TIMEOUT, connecting)
+        .await
+        .map_err(|_| {
+            let why = format!("no {pool} connection within {BEGIN_TIMEOUT:?} for a transaction");
+            Error::Unavailable(why.into())
+        })
+}
+
 /// The parameters of the transactional claim, in the order of its `$1`…`$7`.
 pub(super) struct Claiming<'a> {
     pub(super) key: &'a str,
