@@ -118,9 +118,16 @@ pub(crate) fn deadline_from(now: Instant, deadline: Duration) -> Option<Instant>
 pub(crate) fn ends_in_time(now: Instant, wait: Duration, deadline: Option<Instant>) -> bool {
     match deadline {
         None => true,
-        Some(deadline) => now.checked_add(wait).is_some_and(|end| end < deadline),
+        Some(deadline) => now
+            .checked_add(wait)
+            .and_then(|end| end.checked_add(TIMER_GRANULARITY))
+            .is_some_and(|latest| latest <= deadline),
     }
 }
+
+/// Tokio's timer fires on whole milliseconds, rounding a sleep's end up: a wait asked to end
+/// within a millisecond of the deadline could otherwise wake at it.
+const TIMER_GRANULARITY: Duration = Duration::from_millis(1);
 
 /// One attempt, with the body read when the policy classifies by it.
 async fn attempt<T, P>(

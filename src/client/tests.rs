@@ -436,6 +436,12 @@ fn a_deadline_or_wait_past_what_the_clock_holds_is_no_deadline_or_too_late() {
         deadline
     ));
     assert!(!retry::ends_in_time(now, Duration::from_secs(1), deadline));
+    // The timer rounds a sleep up to the next millisecond: this one could wake at the deadline.
+    assert!(!retry::ends_in_time(
+        now,
+        Duration::from_micros(999_500),
+        deadline
+    ));
 }
 
 #[tokio::test(start_paused = true)]
