@@ -14,11 +14,28 @@ pub struct Fingerprint([u8; 32]);
 impl Fingerprint {
     /// The fingerprint of a buffered request.
     pub fn of(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Self {
+        Self::of_tagged(None, parts, headers, body)
+    }
+
+    /// [`of`](Self::of), with `body` standing for the request's body as a
+    /// [`BodyFingerprint`](crate::BodyFingerprint) other than the raw bytes sees it, and
+    /// `tag` naming that option. The tag goes first and begins with a zero byte, which no
+    /// method has: no fingerprint of one option equals one of another.
+    pub(crate) fn of_tagged(
+        tag: Option<&[u8]>,
+        parts: &Parts,
+        headers: &[HeaderName],
+        body: &[u8],
+    ) -> Self {
         let mut hasher = Sha256::new();
         let mut part = |bytes: &[u8]| {
             hasher.update((bytes.len() as u64).to_be_bytes());
             hasher.update(bytes);
         };
+        if let Some(tag) = tag {
+            debug_assert_eq!(tag.first(), Some(&0));
+            part(tag);
+        }
         part(parts.method.as_str().as_bytes());
         part(parts.uri.path().as_bytes());
         part(parts.uri.query().unwrap_or("").as_bytes());

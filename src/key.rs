@@ -46,6 +46,10 @@ pub enum InvalidKey {
     /// A quoted key that is not a well-formed RFC 8941 sf-string.
     #[error("the idempotency key is not a well-formed quoted string")]
     MalformedQuotedString,
+    /// The value a route reads its key from in the body
+    /// ([`key_from_json`](crate::IdempotencyLayer::key_from_json)) is not a JSON string.
+    #[error("the idempotency key in the body is not a JSON string")]
+    NotAString,
 }
 
 impl IdempotencyKey {
@@ -80,6 +84,19 @@ impl IdempotencyKey {
             return Err(InvalidKey::Repeated);
         }
         Self::parse(first).map(Some)
+    }
+
+    /// A key read from somewhere other than a header (a request body): 1 to 255 visible
+    /// ASCII characters, taken as they are (no quoted form).
+    pub(crate) fn from_text(text: &str) -> Result<Self, InvalidKey> {
+        match text.len() {
+            0 => Err(InvalidKey::Empty),
+            n if n > MAX_KEY_LEN => Err(InvalidKey::TooLong),
+            _ if !text.bytes().all(|b| (0x21..=0x7e).contains(&b)) => {
+                Err(InvalidKey::InvalidCharacter)
+            }
+            _ => Ok(Self(text.to_owned())),
+        }
     }
 
     /// The key's characters, unquoted and unescaped.

@@ -71,10 +71,10 @@ pub use deadpool_postgres;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use server::{
-    DefaultPrincipal, DerivedKeys, ExtractPrincipal, HandOnBody, Idempotency, IdempotencyLayer,
-    InFlight, Principal, ProblemDetails, Rejection, RejectionKind, RenderRejection, RequestBody,
-    ResponseBody, ResponseFuture, ResponseHead, Scope, SpanField, Unscoped, PROBLEM_JSON,
-    REPLAYED_HEADER,
+    BodyFingerprint, DefaultPrincipal, DerivedKeys, ExtractPrincipal, HandOnBody, Idempotency,
+    IdempotencyLayer, InFlight, Principal, ProblemDetails, Rejection, RejectionKind,
+    RenderRejection, RequestBody, ResponseBody, ResponseFuture, ResponseHead, Scope, SpanField,
+    Unscoped, PROBLEM_JSON, REPLAYED_HEADER,
 };
 /// The sqlx version the transactional mode's `SqlxTransaction` is built on.
 #[cfg(feature = "sqlx")]

@@ -7,6 +7,8 @@ use http::{request::Parts, HeaderName, Method, Response};
 
 use super::{
     body::ResponseBody,
+    body_fingerprint::BodyFingerprint,
+    body_key::BodyKey,
     grpc::Protocol,
     principal::{BoxedPrincipal, DefaultPrincipal},
     rejection::{Reason, Rejection, RenderRejection},
@@ -23,6 +25,8 @@ const DEFAULT_MAX_WAITING: usize = 10_000;
 pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
     pub(crate) header_name: HeaderName,
+    /// `Some`: the key is read from the body, not the header.
+    pub(crate) body_key: Option<BodyKey>,
     pub(crate) required: bool,
     pub(crate) ttl: Duration,
     pub(crate) lease: Duration,
@@ -40,6 +44,7 @@ pub(crate) struct Config {
     pub(crate) replay_set_cookie: bool,
     pub(crate) endpoint: Endpoint,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) fingerprint: BodyFingerprint,
     /// `Some`: duplicates of a key in progress wait up to this long for its outcome.
     pub(crate) wait: Option<Duration>,
     pub(crate) max_waiting: usize,
@@ -57,6 +62,7 @@ impl Default for Config {
         Self {
             methods: vec![Method::POST, Method::PATCH],
             header_name: HeaderName::from_static("idempotency-key"),
+            body_key: None,
             required: false,
             ttl: Duration::from_secs(24 * 60 * 60),
             lease: Duration::from_secs(30),
@@ -70,6 +76,7 @@ impl Default for Config {
             replay_set_cookie: false,
             endpoint: Endpoint::MethodAndPath,
             fingerprint_headers: Vec::new(),
+            fingerprint: BodyFingerprint::raw(),
             render_rejections: None,
             wait: None,
             max_waiting: DEFAULT_MAX_WAITING,
@@ -105,6 +112,7 @@ impl fmt::Debug for Config {
         f.debug_struct("Config")
             .field("methods", &self.methods)
             .field("header_name", &self.header_name)
+            .field("body_key", &self.body_key)
             .field("required", &self.required)
             .field("ttl", &self.ttl)
             .field("lease", &self.lease)
@@ -115,6 +123,7 @@ impl fmt::Debug for Config {
             .field("replay_set_cookie", &self.replay_set_cookie)
             .field("endpoint", &self.endpoint)
             .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("fingerprint", &self.fingerprint)
             .field("custom_rejections", &self.render_rejections.is_some())
             .field("wait", &self.wait)
             .field("max_waiting", &self.max_waiting)

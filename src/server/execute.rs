@@ -12,6 +12,7 @@ use tower_service::Service;
 
 use super::{
     body::ResponseBody,
+    body_key::BodyKey,
     capture,
     derived_key::DerivedKeys,
     grpc::Protocol,
@@ -21,6 +22,7 @@ use super::{
     replay::replay,
     request_body::{self, BoxError, HandOnBody},
     scope,
+    service::refuse_anonymous,
     state::Shared,
     telemetry::{self, RequestOutcome},
     wait,
@@ -41,7 +43,7 @@ pub(crate) fn keyed<S, ReqBody, ResBody>(
     inner: S,
     shared: Arc<Shared>,
     (principal, key): (Option<Principal>, IdempotencyKey),
-    (mut parts, body): (Parts, ReqBody),
+    (parts, body): (Parts, ReqBody),
 ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
 where
     S: Service<Request<ReqBody::HandedOn>, Response = Response<ResBody>> + Send + 'static,
@@ -54,24 +56,117 @@ where
     ResBody::Error: fmt::Display + Send,
 {
     async move {
+        let body = match read(&shared, &parts, body).await {
+            Ok(body) => body,
+            Err(refused) => return Ok(refused),
+        };
+        answer::<S, ReqBody, ResBody>(inner, shared, (principal, key), (parts, body)).await
+    }
+}
+
+/// [`keyed`], for a route whose key is in the body
+/// ([`key_from_json`](crate::IdempotencyLayer::key_from_json)): read first, then looked
+/// for. A request whose body holds no key is refused on a required route, and passed
+/// through otherwise, as one without the header would be.
+#[allow(clippy::manual_async_fn)] // on purpose: see `keyed`
+pub(crate) fn keyed_by_body<S, ReqBody, ResBody>(
+    mut inner: S,
+    shared: Arc<Shared>,
+    body_key: BodyKey,
+    (parts, body): (Parts, ReqBody),
+) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
+where
+    S: Service<Request<ReqBody::HandedOn>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: HandOnBody + Send + 'static,
+    ReqBody::HandedOn: Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: fmt::Display + Send,
+{
+    async move {
+        let body = match read(&shared, &parts, body).await {
+            Ok(body) => body,
+            Err(refused) => return Ok(refused),
+        };
+        let (config, meters) = (&shared.config, &shared.state.meters);
+        let key = match body_key.find(&parts, &body) {
+            Ok(Some(key)) => key,
+            Ok(None) if config.required => {
+                meters.answered(RequestOutcome::KeyMissing);
+                return Ok(config.refuse(Reason::KeyRequired, &parts));
+            }
+            Ok(None) => {
+                let request = Request::from_parts(parts, ReqBody::rebuilt(body));
+                return Ok(inner.call(request).await?.map(ResponseBody::inner));
+            }
+            Err(_) => {
+                meters.answered(RequestOutcome::InvalidKey);
+                return Ok(config.refuse(Reason::InvalidKey, &parts));
+            }
+        };
+        let principal = config.principal.0.extract(&parts);
+        if principal.is_none() && !config.anonymous && !config.unscoped {
+            meters.answered(RequestOutcome::PrincipalMissing);
+            return Ok(refuse_anonymous(config, &parts));
+        }
+        answer::<S, ReqBody, ResBody>(inner, shared, (principal, key), (parts, body)).await
+    }
+}
+
+/// The request's body, read whole within the layer's limit, or the layer's answer to a body
+/// it cannot read.
+async fn read<B, ResBody>(
+    shared: &Shared,
+    parts: &Parts,
+    body: B,
+) -> Result<Bytes, Response<ResponseBody<ResBody>>>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let config = &shared.config;
+    request_body::read_whole(parts, body, config.max_request_body)
+        .await
+        .map_err(|reason| {
+            shared.state.meters.answered(match reason {
+                Reason::BodyTooLarge { .. } => RequestOutcome::BodyTooLarge,
+                _ => RequestOutcome::InvalidBody,
+            });
+            config.refuse(reason, parts)
+        })
+}
+
+/// A keyed request whose body was read: scoped, fingerprinted and claimed, then answered
+/// from what the claim found, or executed.
+#[allow(clippy::manual_async_fn)] // on purpose: see `keyed`
+fn answer<S, ReqBody, ResBody>(
+    inner: S,
+    shared: Arc<Shared>,
+    (principal, key): (Option<Principal>, IdempotencyKey),
+    (mut parts, body): (Parts, Bytes),
+) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
+where
+    S: Service<Request<ReqBody::HandedOn>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: HandOnBody + Send + 'static,
+    ReqBody::HandedOn: Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: fmt::Display + Send,
+{
+    async move {
         let config = &shared.config;
         let meters = &shared.state.meters;
         // Read only where the layer answers by itself: a replay never needs it.
         let protocol = || Protocol::of(&parts.headers);
         let renderer = config.render_rejections.as_deref();
-        let body = match request_body::read_whole(&parts, body, config.max_request_body).await {
-            Ok(body) => body,
-            Err(reason) => {
-                meters.answered(match reason {
-                    Reason::BodyTooLarge { .. } => RequestOutcome::BodyTooLarge,
-                    _ => RequestOutcome::InvalidBody,
-                });
-                return Ok(config.refuse(reason, &parts));
-            }
-        };
         let scope = scope::of_request(&config.endpoint, &parts, principal.as_ref(), key);
         telemetry::show_scope(&scope, config.span_key, config.span_principal);
-        let fingerprint = Fingerprint::of(&parts, &config.fingerprint_headers, &body);
+        let fingerprint = config
+            .fingerprint
+            .of(&parts, &config.fingerprint_headers, &body);
         let reject = |reason| {
             let rejection = Rejection::new(reason, scope.endpoint().to_owned());
             Ok(rejection.into_response(protocol(), renderer))

@@ -6,6 +6,8 @@ use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::{
+    body_fingerprint::BodyFingerprint,
+    body_key::{BodyKey, FindKey},
     config::Config,
     in_flight::InFlight,
     principal::{BoxedPrincipal, DefaultPrincipal, ExtractPrincipal, Unscoped},
@@ -148,7 +150,13 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The key's header. Default: `Idempotency-Key`.
+    /// The key's header. Default: `Idempotency-Key`. (It replaces a
+    /// [`key_from_json`](Self::key_from_json) or [`key_from_body`](Self::key_from_body)
+    /// set before it.)
+    ///
+    /// Webhook senders that put a delivery id in a header of their own are keyed by it this
+    /// way: GitHub's `X-GitHub-Delivery`, say. A redelivery is answered with the recorded
+    /// response.
     ///
     /// # Example
     ///
@@ -157,9 +165,80 @@ impl IdempotencyLayer {
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
     /// let layer = IdempotencyLayer::new(MemoryStore::new())
     ///     .header_name(HeaderName::from_static("x-idempotency-key"));
+    /// let github = IdempotencyLayer::new(MemoryStore::new())
+    ///     .header_name(HeaderName::from_static("x-github-delivery"))
+    ///     .unscoped();
     /// ```
     pub fn header_name(mut self, name: HeaderName) -> Self {
         self.config.header_name = name;
+        self.config.body_key = None;
+        self
+    }
+
+    /// Reads each request's key from its JSON body, at `pointer` (RFC 6901, such as `/id`),
+    /// instead of a header: for webhooks, whose senders (Stripe, Shopify) retry a delivery
+    /// with the same event id and no `Idempotency-Key`.
+    ///
+    /// The key must be a JSON string of 1 to 255 visible ASCII characters. A body whose
+    /// pointer holds anything else (a number, an object) gets `400
+    /// invalid_idempotency_key`. A body with nothing there (or `null`, or a body that is not
+    /// JSON) gets `400 idempotency_key_required` on a [`required`](Self::required) route and
+    /// passes through unprotected otherwise. The body is read (up to
+    /// [`max_request_body`](Self::max_request_body)) before the key is known, so every
+    /// request of the route is read whole, keyed or not.
+    ///
+    /// A delivery of an event already handled gets the recorded response; one that comes
+    /// while the first still runs gets `409 request_in_progress` with `Retry-After`, which
+    /// senders retry, or waits for it ([`wait_for_original`](Self::wait_for_original)).
+    ///
+    /// # Panics
+    ///
+    /// When `pointer` is not a JSON pointer to a field (it must start with `/`).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // Stripe events: `{"id": "evt_…", "type": "charge.succeeded", …}`, unauthenticated
+    /// // by bearer token (their signature is checked in the handler or a layer before it).
+    /// let webhooks = IdempotencyLayer::new(MemoryStore::new())
+    ///     .key_from_json("/id")
+    ///     .required()
+    ///     .unscoped();
+    /// let app: Router = Router::new().route("/webhooks/stripe", post(|| async { "ok" }).layer(webhooks));
+    /// ```
+    pub fn key_from_json(mut self, pointer: &str) -> Self {
+        self.config.body_key = Some(BodyKey::json(pointer));
+        self
+    }
+
+    /// Reads each request's key with `find`, from its parts and its body read whole, for
+    /// keys [`key_from_json`](Self::key_from_json) cannot reach: `None` is no key (refused
+    /// on a [`required`](Self::required) route, passed through otherwise). The key found
+    /// must be 1 to 255 visible ASCII characters, or the request gets `400
+    /// invalid_idempotency_key`.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // A form-encoded delivery whose id is its `event_id` field.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).key_from_body(|_parts, body| {
+    ///     let body = std::str::from_utf8(body).ok()?;
+    ///     body.split('&')
+    ///         .find_map(|field| field.strip_prefix("event_id="))
+    ///         .map(str::to_owned)
+    /// });
+    /// ```
+    pub fn key_from_body<F>(mut self, find: F) -> Self
+    where
+        F: Fn(&http::request::Parts, &[u8]) -> Option<String> + Send + Sync + 'static,
+    {
+        let find: Arc<FindKey> = Arc::new(find);
+        self.config.body_key = Some(BodyKey::Custom(find));
         self
     }
 
@@ -453,6 +532,26 @@ impl IdempotencyLayer {
     /// ```
     pub fn fingerprint_header(mut self, name: HeaderName) -> Self {
         self.config.fingerprint_headers.push(name);
+        self
+    }
+
+    /// How the body counts in the fingerprint: its bytes ([`BodyFingerprint::raw`], the
+    /// default), its canonical JSON ([`BodyFingerprint::json`]), the same without some
+    /// fields ([`BodyFingerprint::json_ignoring`]), or a function's
+    /// ([`BodyFingerprint::custom`]). Changing it on a live service turns retries of keys
+    /// recorded before into mismatches until those records expire: see
+    /// [`BodyFingerprint`].
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_idempotency::{BodyFingerprint, IdempotencyLayer, MemoryStore};
+    ///
+    /// // Clients that rebuild their JSON on a retry, key order and spacing included.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).fingerprint(BodyFingerprint::json());
+    /// ```
+    pub fn fingerprint(mut self, body: BodyFingerprint) -> Self {
+        self.config.fingerprint = body;
         self
     }
 

@@ -9,6 +9,8 @@
 //! | the story of one keyed request | `execute.rs` |
 //! | reading the request body, and the body handed to the inner service | `request_body.rs` |
 //! | scoping a key: principal, endpoint, key | `scope.rs` (with `principal.rs`, who the caller is) |
+//! | what of the body the fingerprint covers | `body_fingerprint.rs` (with `json_pointer.rs`) |
+//! | keys read from the body (webhooks) | `body_key.rs` |
 //! | a claimed key: lease renewal, write retries, drop safety | `lease.rs` |
 //! | recording a response | `capture.rs` |
 //! | which outcomes release the key instead | `release.rs` |
@@ -25,6 +27,8 @@
 //! [`Store`](crate::Store) (`store/mod.rs`) and runs the conformance suite.
 
 mod body;
+mod body_fingerprint;
+mod body_key;
 mod capture;
 mod config;
 mod derived_key;
@@ -32,6 +36,7 @@ mod execute;
 mod future;
 mod grpc;
 mod in_flight;
+mod json_pointer;
 mod layer;
 mod lease;
 mod principal;
@@ -46,6 +51,7 @@ mod telemetry;
 mod wait;
 
 pub use body::ResponseBody;
+pub use body_fingerprint::BodyFingerprint;
 pub use derived_key::DerivedKeys;
 pub use future::ResponseFuture;
 pub use in_flight::InFlight;

@@ -74,6 +74,13 @@ where
         if !config.methods.contains(request.method()) {
             return ResponseFuture::pass_through(self.inner.call(request.map(HandOnBody::unread)));
         }
+        if let Some(body_key) = &config.body_key {
+            let (clone, body_key) = (self.inner.clone(), body_key.clone());
+            let inner = std::mem::replace(&mut self.inner, clone);
+            let keyed =
+                execute::keyed_by_body(inner, shared.clone(), body_key, request.into_parts());
+            return instrumented(config, keyed);
+        }
         let key = match IdempotencyKey::from_header_values(
             request.headers().get_all(&config.header_name),
         ) {
@@ -103,20 +110,31 @@ where
             return ResponseFuture::answered(refuse_anonymous(config, &parts));
         }
         let keyed = execute::keyed(inner, shared.clone(), (principal, key), (parts, body));
-        // A span no subscriber records is left out: entering it on every poll costs.
-        let span = telemetry::request_span(config.span_level);
-        if span.is_disabled() {
-            ResponseFuture::keyed(Box::pin(keyed))
-        } else {
-            ResponseFuture::keyed(Box::pin(keyed.instrument(span)))
-        }
+        instrumented(config, keyed)
+    }
+}
+
+/// A keyed request's future, in the request's span: one no subscriber records is left out,
+/// since entering it on every poll costs.
+fn instrumented<P, B, E, F>(config: &Config, keyed: F) -> ResponseFuture<P, B, E>
+where
+    F: std::future::Future<Output = Result<Response<ResponseBody<B>>, E>> + Send + 'static,
+{
+    let span = telemetry::request_span(config.span_level);
+    if span.is_disabled() {
+        ResponseFuture::keyed(Box::pin(keyed))
+    } else {
+        ResponseFuture::keyed(Box::pin(keyed.instrument(span)))
     }
 }
 
 /// The answer to a keyed request that names no principal on a route that allows no
 /// anonymous requests. The first one logs an error naming the fix; the rest, a debug line
 /// (each is also counted: `idempotency_requests_total{outcome="principal_missing"}`).
-fn refuse_anonymous<ResBody>(config: &Config, parts: &Parts) -> Response<ResponseBody<ResBody>> {
+pub(crate) fn refuse_anonymous<ResBody>(
+    config: &Config,
+    parts: &Parts,
+) -> Response<ResponseBody<ResBody>> {
     static LOGGED: AtomicBool = AtomicBool::new(false);
     let endpoint = scope::endpoint_of(&config.endpoint, parts);
     if LOGGED.swap(true, Ordering::Relaxed) {
