@@ -18,7 +18,9 @@ use axum::{
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use tower_idempotency::{DerivedKeys, IdempotencyLayer, InFlight, ProblemDetails, Store};
+use tower_idempotency::{
+    BodyFingerprint, DerivedKeys, IdempotencyLayer, InFlight, ProblemDetails, Store,
+};
 
 // By path, so that the tests that include this file find it too.
 #[cfg(feature = "client")]
@@ -52,6 +54,7 @@ pub struct Stats {
     pub payments: AtomicU64,
     pub refunds: AtomicU64,
     pub tokens: AtomicU64,
+    pub webhooks: AtomicU64,
     boot: u128,
     ids: AtomicU64,
     payments_only: AtomicBool,
@@ -65,6 +68,7 @@ impl Stats {
             payments: AtomicU64::new(0),
             refunds: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
+            webhooks: AtomicU64::new(0),
             boot: now_ms(),
             ids: AtomicU64::new(0),
             payments_only: AtomicBool::new(false),
@@ -99,6 +103,8 @@ pub struct Settings {
     pub wait: Option<Duration>,
     /// Whether handlers run unprotected while the store is unreachable (else `503`).
     pub fail_open: bool,
+    /// How the keyed routes fingerprint a body: raw bytes, or canonical JSON.
+    pub fingerprint: BodyFingerprint,
     /// The base URL of a processor each payment also charges; `None`: no processor.
     #[cfg(feature = "client")]
     pub processor: Option<String>,
@@ -116,6 +122,7 @@ impl Default for Settings {
             max_response_body: None,
             wait: None,
             fail_open: false,
+            fingerprint: BodyFingerprint::raw(),
             #[cfg(feature = "client")]
             processor: None,
             #[cfg(feature = "postgres")]
@@ -125,7 +132,8 @@ impl Default for Settings {
 }
 
 /// The whole service: `/v1/payments` and `/v1/tokens` require a key, `/v1/refunds` takes
-/// one optionally, `/v1/stats` is outside the idempotency layer.
+/// one optionally, `/v1/webhooks` is keyed by its event's `/id`, `/v1/stats` is outside the
+/// idempotency layer.
 pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>) {
     let mut layer = IdempotencyLayer::from_shared(store)
         .ttl(settings.ttl)
@@ -133,7 +141,8 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
         .principal(bearer_user)
         // A request without a bearer token is anonymous: a demo's choice. A real service
         // would have its authentication layer refuse it, or set a `Principal`.
-        .allow_anonymous();
+        .allow_anonymous()
+        .fingerprint(settings.fingerprint);
     if let Some(problems) = settings.problems {
         layer = layer.render_rejections(problems);
     }
@@ -152,6 +161,9 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
         layer = layer.derive_keys();
     }
     let stats = Arc::new(Stats::new(layer.in_flight()));
+    // Deliveries carry no `Idempotency-Key` (nor a bearer token: they share the anonymous
+    // scope); the sender's event id is the key.
+    let webhooks = layer.clone().key_from_json("/id").required();
     let state = App {
         stats: stats.clone(),
         #[cfg(feature = "postgres")]
@@ -166,6 +178,7 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
         )
         .route("/v1/refunds", post(create_refund).layer(layer.clone()))
         .route("/v1/tokens", post(create_token).layer(layer.required()))
+        .route("/v1/webhooks", post(receive_webhook).layer(webhooks))
         .route("/v1/stats", get(get_stats))
         .with_state(state);
     (app, stats)
@@ -385,6 +398,28 @@ async fn create_token(State(stats): State<Arc<Stats>>) -> Response {
         .into_response()
 }
 
+/// A webhook delivery: `{"id": "evt_…", "type": "…", "data": …}`. The layer has checked
+/// that `/id` is a string key.
+#[derive(Deserialize)]
+struct Event {
+    id: String,
+    #[serde(rename = "type")]
+    _kind: String,
+}
+
+async fn receive_webhook(State(stats): State<Arc<Stats>>, body: axum::body::Bytes) -> Response {
+    let event: Event = match serde_json::from_slice(&body) {
+        Ok(event) => event,
+        Err(error) => {
+            let body = json!({ "error": "invalid_event", "message": error.to_string() });
+            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+        }
+    };
+    stats.webhooks.fetch_add(1, Ordering::Relaxed);
+    let handled = json!({ "received": event.id, "handled_at": now_ms() as u64 });
+    (StatusCode::OK, Json(handled)).into_response()
+}
+
 async fn get_stats(State(stats): State<Arc<Stats>>) -> Json<serde_json::Value> {
     if stats.payments_only.load(Ordering::Relaxed) {
         return Json(json!({ "payments_executed": stats.payments.load(Ordering::Relaxed) }));
@@ -393,6 +428,7 @@ async fn get_stats(State(stats): State<Arc<Stats>>) -> Json<serde_json::Value> {
         "payments_executed": stats.payments.load(Ordering::Relaxed),
         "refunds_executed": stats.refunds.load(Ordering::Relaxed),
         "tokens_executed": stats.tokens.load(Ordering::Relaxed),
+        "webhooks_executed": stats.webhooks.load(Ordering::Relaxed),
     }))
 }
 

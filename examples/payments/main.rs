@@ -46,8 +46,20 @@
 //! table `payments` in the `DATABASE_URL` database (feature `postgres`);
 //! `IDEMPOTENCY_TRANSACTIONAL=1` runs each execution in a transaction of the `DATABASE_URL`
 //! database, on an sqlx pool (feature `sqlx`; `tokio-postgres` instead of `1`: on the
-//! store's own pool), in which the ledger's row commits with the record. `GET /metrics` serves the layer's metrics as Prometheus text; `RUST_LOG`
-//! filters the logs (default `info`).
+//! store's own pool), in which the ledger's row commits with the record;
+//! `IDEMPOTENCY_FINGERPRINT=json` fingerprints bodies as canonical JSON (key order and
+//! whitespace do not matter; invalid JSON is fingerprinted raw) instead of their raw bytes,
+//! and `IDEMPOTENCY_FINGERPRINT_IGNORE=/client_ts,/trace_id` leaves those JSON pointers out
+//! of it (implies `json`). `GET /metrics` serves the layer's metrics as Prometheus text;
+//! `RUST_LOG` filters the logs (default `info`).
+//!
+//! `POST /v1/webhooks` takes events as a webhook sender delivers them, with no
+//! `Idempotency-Key`: the key is the event's `/id`. Deliver one twice, and the second gets
+//! the first answer replayed:
+//!
+//! ```text
+//! curl -i localhost:3000/v1/webhooks -d '{"id": "evt_1", "type": "charge.succeeded"}'
+//! ```
 
 mod app;
 mod store;
@@ -56,6 +68,7 @@ use std::time::Duration;
 
 use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tower_idempotency::BodyFingerprint;
 
 /// Histogram buckets of the `_seconds` metrics, in seconds: from a local store's tens of
 /// microseconds to a slow handler's seconds.
@@ -95,6 +108,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         settings.wait = Some(Duration::from_millis(millis));
     }
     settings.fail_open = std::env::var("IDEMPOTENCY_FAIL_OPEN").as_deref() == Ok("1");
+    settings.fingerprint = fingerprint_from_env()?;
     if let Ok(ledger) = std::env::var("PAYMENTS_LEDGER") {
         if ledger != "postgres" {
             return Err(format!("PAYMENTS_LEDGER={ledger}: only postgres is known").into());
@@ -144,6 +158,37 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     Ok(())
+}
+
+/// `IDEMPOTENCY_FINGERPRINT=json` (canonical JSON) or `raw` (the default);
+/// `IDEMPOTENCY_FINGERPRINT_IGNORE=/client_ts,/trace_id` leaves those fields out, and implies
+/// `json`.
+fn fingerprint_from_env() -> Result<BodyFingerprint, String> {
+    let ignored: Vec<String> = match std::env::var("IDEMPOTENCY_FINGERPRINT_IGNORE") {
+        Ok(list) => list
+            .split(',')
+            .map(str::trim)
+            .filter(|pointer| !pointer.is_empty())
+            .map(str::to_owned)
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    if let Some(bad) = ignored.iter().find(|pointer| !pointer.starts_with('/')) {
+        return Err(format!(
+            "IDEMPOTENCY_FINGERPRINT_IGNORE: {bad:?} is not a JSON pointer (\"/field\")"
+        ));
+    }
+    match std::env::var("IDEMPOTENCY_FINGERPRINT").as_deref() {
+        Ok("json") => Ok(BodyFingerprint::json_ignoring(ignored)),
+        Ok("raw") | Err(_) if ignored.is_empty() => Ok(BodyFingerprint::raw()),
+        Err(_) => Ok(BodyFingerprint::json_ignoring(ignored)),
+        Ok("raw") => {
+            Err("IDEMPOTENCY_FINGERPRINT_IGNORE needs the json fingerprint, not raw".into())
+        }
+        Ok(other) => Err(format!(
+            "IDEMPOTENCY_FINGERPRINT={other}: expected json or raw"
+        )),
+    }
 }
 
 /// The Prometheus recorder behind the `metrics` facade, with histograms in buckets (for

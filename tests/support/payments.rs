@@ -34,6 +34,7 @@ pub struct Stats {
     pub payments_executed: u64,
     pub refunds_executed: u64,
     pub tokens_executed: u64,
+    pub webhooks_executed: u64,
 }
 
 /// An HTTP client for one payments server.
