@@ -202,6 +202,16 @@ impl Post {
         }
     }
 
+    /// Sends `body`, spelled as it is, as JSON.
+    pub fn json_text(self, body: impl Into<String>) -> Self {
+        Self {
+            request: self
+                .request
+                .header(CONTENT_TYPE, "application/json")
+                .body(body.into()),
+        }
+    }
+
     /// Sends `body` as it is.
     pub fn body(self, body: &'static str) -> Self {
         Self {
