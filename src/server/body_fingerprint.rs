@@ -5,7 +5,7 @@ use std::{fmt, sync::Arc};
 use http::{request::Parts, HeaderName};
 use serde_json::Value;
 
-use super::json_pointer;
+use super::{canonical_json, json_pointer};
 use crate::Fingerprint;
 
 /// How a layer fingerprints the body of a keyed request, set with
@@ -156,7 +156,9 @@ fn canonical(body: &[u8], ignored: &[Box<str>]) -> Option<Vec<u8>> {
     for pointer in ignored {
         json_pointer::remove(&mut document, pointer);
     }
-    serde_json_canonicalizer::to_vec(&document).ok()
+    let mut canonical = Vec::with_capacity(body.len());
+    canonical_json::write(&document, &mut canonical);
+    Some(canonical)
 }
 
 impl Default for BodyFingerprint {

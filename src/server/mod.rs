@@ -9,7 +9,7 @@
 //! | the story of one keyed request | `execute.rs` |
 //! | reading the request body, and the body handed to the inner service | `request_body.rs` |
 //! | scoping a key: principal, endpoint, key | `scope.rs` (with `principal.rs`, who the caller is) |
-//! | what of the body the fingerprint covers | `body_fingerprint.rs` (with `json_pointer.rs`) |
+//! | what of the body the fingerprint covers | `body_fingerprint.rs` (with `canonical_json.rs`, `json_pointer.rs`) |
 //! | keys read from the body (webhooks) | `body_key.rs` |
 //! | a claimed key: lease renewal, write retries, drop safety | `lease.rs` |
 //! | recording a response | `capture.rs` |
@@ -29,6 +29,7 @@
 mod body;
 mod body_fingerprint;
 mod body_key;
+mod canonical_json;
 mod capture;
 mod config;
 mod derived_key;
