@@ -241,6 +241,7 @@ mod layer_options {
         a_duplicate_delivery_waits_for_the_original_when_asked,
         a_body_key_needs_a_principal_only_once_a_key_is_found,
         a_custom_fingerprint_decides_what_matches,
+        a_body_key_is_looked_for_only_within_the_body_limit,
     );
 
     async fn a_key_found_by_a_function_replays_and_no_key_passes_through(store: Arc<dyn Store>) {
@@ -326,5 +327,23 @@ mod layer_options {
             "idempotency_key_reused_with_different_params"
         );
         assert_eq!(handler.executions(), 1);
+    }
+
+    async fn a_body_key_is_looked_for_only_within_the_body_limit(store: Arc<dyn Store>) {
+        let handler = Handler::default();
+        let layer = app::layer(&store)
+            .key_from_json("/id")
+            .max_request_body(64)
+            .fingerprint(BodyFingerprint::json());
+        let app = app::router(&handler, layer);
+        let padding = "x".repeat(64);
+        let oversized = format!(
+            r#"{{"id":"evt_{}","padding":"{padding}"}}"#,
+            crate::fresh_key()
+        );
+        let refused = send(&app, post("/pay").body(oversized)).await;
+        assert_eq!(refused.status, 413, "{refused:?}");
+        assert_eq!(refused.error(), "request_body_too_large");
+        assert_eq!(handler.executions(), 0);
     }
 }
