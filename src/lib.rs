@@ -49,6 +49,7 @@ pub mod client;
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 mod fingerprint;
+pub mod guide;
 mod key;
 mod server;
 pub mod store;

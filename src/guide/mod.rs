@@ -1,0 +1,59 @@
+//! The manual: one page per topic, documentation only (these modules hold no items).
+//!
+//! Setting up and choosing:
+//!
+//! - [PostgreSQL](postgres): the table, its migration, and the reconciliation query.
+//!
+//! Every Rust snippet on these pages is compiled as a doctest; those that need a feature
+//! beyond the defaults compile to nothing without it.
+
+/// A guide page: an empty module whose documentation is the markdown file beside this one.
+/// Each link to an item behind a feature goes to the item when the feature is on, and to
+/// its page on docs.rs (built with every feature) when it is off.
+macro_rules! page {
+    (
+        $(#[$attribute:meta])*
+        pub mod $name:ident = $file:literal;
+        $($feature:literal $label:literal => $path:literal | $docs_rs:literal;)*
+    ) => {
+        $(#[$attribute])*
+        #[doc = include_str!($file)]
+        #[doc = ""]
+        $(
+            #[cfg_attr(feature = $feature, doc = concat!("[", $label, "]: ", $path))]
+            #[cfg_attr(
+                not(feature = $feature),
+                doc = concat!(
+                    "[", $label, "]: https://docs.rs/tower-idempotency/latest/tower_idempotency/",
+                    $docs_rs
+                )
+            )]
+        )*
+        pub mod $name {}
+    };
+}
+
+page! {
+    pub mod postgres = "postgres.md";
+    "postgres" "`PostgresStore::migrate()`" => "crate::PostgresStore::migrate"
+        | "store/struct.PostgresStore.html#method.migrate";
+    "postgres" "`migration_sql()`" => "crate::PostgresStore::migration_sql"
+        | "store/struct.PostgresStore.html#method.migration_sql";
+    "postgres" "`table(schema, name)`" => "crate::PostgresStore::table"
+        | "store/struct.PostgresStore.html#method.table";
+    "postgres" "`PostgresStoreError::MigrationBlocked`"
+        => "crate::store::PostgresStoreError::MigrationBlocked"
+        | "store/enum.PostgresStoreError.html#variant.MigrationBlocked";
+    "postgres" "`purge_expired()`" => "crate::PostgresStore::purge_expired"
+        | "store/struct.PostgresStore.html#method.purge_expired";
+    "postgres" "`spawn_purge(interval)`" => "crate::PostgresStore::spawn_purge"
+        | "store/struct.PostgresStore.html#method.spawn_purge";
+    "postgres" "`purge_batch(rows)`" => "crate::PostgresStore::purge_batch"
+        | "store/struct.PostgresStore.html#method.purge_batch";
+    "postgres" "`keep_completed()`" => "crate::PostgresStore::keep_completed"
+        | "store/struct.PostgresStore.html#method.keep_completed";
+    "postgres" "resource_id" => "crate::PostgresStore::resource_id"
+        | "store/struct.PostgresStore.html#method.resource_id";
+    "postgres" "`count_replays()`" => "crate::PostgresStore::count_replays"
+        | "store/struct.PostgresStore.html#method.count_replays";
+}
