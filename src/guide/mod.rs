@@ -3,6 +3,8 @@
 //! Setting up and choosing:
 //!
 //! - [PostgreSQL](postgres): the table, its migration, and the reconciliation query.
+//! - [Composition](composition): the layer around hyper and tonic services, and where it
+//!   goes among authentication, compression, CORS, tracing, timeouts and limits.
 //!
 //! Every Rust snippet on these pages is compiled as a doctest; those that need a feature
 //! beyond the defaults compile to nothing without it.
@@ -56,4 +58,8 @@ page! {
         | "store/struct.PostgresStore.html#method.resource_id";
     "postgres" "`count_replays()`" => "crate::PostgresStore::count_replays"
         | "store/struct.PostgresStore.html#method.count_replays";
+}
+
+page! {
+    pub mod composition = "composition.md";
 }
