@@ -6,6 +6,10 @@
 //! - [Composition](composition): the layer around hyper and tonic services, and where it
 //!   goes among authentication, compression, CORS, tracing, timeouts and limits.
 //!
+//! What it does:
+//!
+//! - [The client](client): the other half, for callers, and keys for downstream calls.
+//!
 //! Every Rust snippet on these pages is compiled as a doctest; those that need a feature
 //! beyond the defaults compile to nothing without it.
 
@@ -62,4 +66,10 @@ page! {
 
 page! {
     pub mod composition = "composition.md";
+}
+
+page! {
+    pub mod client = "client.md";
+    "reqwest" "IdempotentMiddleware" => "crate::client::IdempotentMiddleware"
+        | "client/struct.IdempotentMiddleware.html";
 }
