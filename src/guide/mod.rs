@@ -5,10 +5,17 @@
 //! - [PostgreSQL](postgres): the table, its migration, and the reconciliation query.
 //! - [Composition](composition): the layer around hyper and tonic services, and where it
 //!   goes among authentication, compression, CORS, tracing, timeouts and limits.
+//! - [Configuration](configuration): every setter of the layer, and its default.
 //!
 //! What it does:
 //!
+//! - [What a client sees, and error profiles](error_profiles): the layer's own answers, and
+//!   rendering them as your API renders its errors (the IETF profile, your own).
 //! - [The client](client): the other half, for callers, and keys for downstream calls.
+//!
+//! Running it:
+//!
+//! - [Operating it](operations): metrics, spans, log levels, and what to alert on.
 //!
 //! Every Rust snippet on these pages is compiled as a doctest; those that need a feature
 //! beyond the defaults compile to nothing without it.
@@ -69,7 +76,19 @@ page! {
 }
 
 page! {
+    pub mod configuration = "configuration.md";
+}
+
+page! {
+    pub mod error_profiles = "error_profiles.md";
+}
+
+page! {
     pub mod client = "client.md";
     "reqwest" "IdempotentMiddleware" => "crate::client::IdempotentMiddleware"
         | "client/struct.IdempotentMiddleware.html";
+}
+
+page! {
+    pub mod operations = "operations.md";
 }
