@@ -16,6 +16,7 @@
 //! Running it:
 //!
 //! - [Operating it](operations): metrics, spans, log levels, and what to alert on.
+//! - [Performance](performance): throughput side by side, what limits it, how costs grow.
 //!
 //! Every Rust snippet on these pages is compiled as a doctest; those that need a feature
 //! beyond the defaults compile to nothing without it.
@@ -91,4 +92,8 @@ page! {
 
 page! {
     pub mod operations = "operations.md";
+}
+
+page! {
+    pub mod performance = "performance.md";
 }
