@@ -2,7 +2,13 @@
 //!
 //! Setting up and choosing:
 //!
+//! - [Stores](stores): which store for what, and a store of your own proven against the
+//!   contract.
+//! - [The transactional mode](transactional): the handler's writes commit with the record,
+//!   or roll back with the claim.
 //! - [PostgreSQL](postgres): the table, its migration, and the reconciliation query.
+//! - [Deployment](deployment): Redis on one server, behind Sentinel or as a Cluster, the
+//!   durability option, and what each topology guarantees against executing twice.
 //! - [Composition](composition): the layer around hyper and tonic services, and where it
 //!   goes among authentication, compression, CORS, tracing, timeouts and limits.
 //! - [Configuration](configuration): every setter of the layer, and its default.
@@ -11,6 +17,11 @@
 //!
 //! - [What a client sees, and error profiles](error_profiles): the layer's own answers, and
 //!   rendering them as your API renders its errors (the IETF profile, your own).
+//! - [Details that matter in production](production): keys, scope, fingerprint, outcomes,
+//!   leases, fencing, and what survives a store that fails.
+//! - [Waiting for the original](waiting): duplicates that wait for the outcome instead of
+//!   answering `409`.
+//! - [Threat model](threat_model): who can see or change what, on each store.
 //! - [The client](client): the other half, for callers, and keys for downstream calls.
 //!
 //! Running it:
@@ -48,6 +59,30 @@ macro_rules! page {
 }
 
 page! {
+    pub mod stores = "stores.md";
+    "postgres" "`PostgresStore`" => "crate::PostgresStore" | "store/struct.PostgresStore.html";
+    "conformance" "`store_conformance_tests!`" => "crate::store_conformance_tests"
+        | "macro.store_conformance_tests.html";
+}
+
+page! {
+    pub mod transactional = "transactional.md";
+    "postgres" "`PostgresStore`" => "crate::PostgresStore" | "store/struct.PostgresStore.html";
+    "postgres" "`transactional()`" => "crate::PostgresStore::transactional"
+        | "store/struct.PostgresStore.html#method.transactional";
+    "postgres" "`PostgresTransaction`" => "crate::transaction::PostgresTransaction"
+        | "transaction/type.PostgresTransaction.html";
+    "postgres" "`InTransaction<…>`" => "crate::transaction::InTransaction"
+        | "transaction/struct.InTransaction.html";
+    "postgres" "`lock()`" => "crate::transaction::InTransaction::lock"
+        | "transaction/struct.InTransaction.html#method.lock";
+    "sqlx" "`transactional_sqlx(pool)`" => "crate::PostgresStore::transactional_sqlx"
+        | "store/struct.PostgresStore.html#method.transactional_sqlx";
+    "sqlx" "`SqlxTransaction`" => "crate::transaction::SqlxTransaction"
+        | "transaction/type.SqlxTransaction.html";
+}
+
+page! {
     pub mod postgres = "postgres.md";
     "postgres" "`PostgresStore::migrate()`" => "crate::PostgresStore::migrate"
         | "store/struct.PostgresStore.html#method.migrate";
@@ -73,6 +108,10 @@ page! {
 }
 
 page! {
+    pub mod deployment = "deployment.md";
+}
+
+page! {
     pub mod composition = "composition.md";
 }
 
@@ -82,6 +121,20 @@ page! {
 
 page! {
     pub mod error_profiles = "error_profiles.md";
+}
+
+page! {
+    pub mod production = "production.md";
+}
+
+page! {
+    pub mod waiting = "waiting.md";
+    "postgres" "`PostgresStore::announce_outcomes()`" => "crate::PostgresStore::announce_outcomes"
+        | "store/struct.PostgresStore.html#method.announce_outcomes";
+}
+
+page! {
+    pub mod threat_model = "threat_model.md";
 }
 
 page! {
