@@ -28,6 +28,7 @@
 //!
 //! - [Operating it](operations): metrics, spans, log levels, and what to alert on.
 //! - [Performance](performance): throughput side by side, what limits it, how costs grow.
+//! - [Where things live](internals): a map of the source, for changing the crate.
 //!
 //! Every Rust snippet on these pages is compiled as a doctest; those that need a feature
 //! beyond the defaults compile to nothing without it.
@@ -149,4 +150,8 @@ page! {
 
 page! {
     pub mod performance = "performance.md";
+}
+
+page! {
+    pub mod internals = "internals.md";
 }
