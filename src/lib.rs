@@ -37,6 +37,29 @@
 //!
 //! The client half, for callers of such an API, is the `client` module (feature
 //! `client`): one key per call, reused by every retry, with backoff, jitter and a deadline.
+//!
+//! # Guide
+//!
+//! The [`guide`] is the manual, one page per topic:
+//!
+//! - [Stores](guide::stores): which store for what, and a store of your own.
+//! - [The transactional mode](guide::transactional): the handler's writes commit with the
+//!   record.
+//! - [PostgreSQL](guide::postgres): the schema, its migration, and reconciliation.
+//! - [Deployment](guide::deployment): Redis topologies, the durability option, and what
+//!   each guarantees against executing twice.
+//! - [Composition](guide::composition): hyper and tonic services, and where the layer goes
+//!   among the others.
+//! - [Configuration](guide::configuration): every setter, and its default.
+//! - [What a client sees, and error profiles](guide::error_profiles).
+//! - [Details that matter in production](guide::production): keys, scope, fingerprint,
+//!   outcomes, leases, store failures.
+//! - [Waiting for the original](guide::waiting), instead of answering `409`.
+//! - [Threat model](guide::threat_model): who can see or change what.
+//! - [The client](guide::client), and keys for downstream calls.
+//! - [Operating it](guide::operations): metrics, spans, alerts.
+//! - [Performance](guide::performance): throughput side by side, and how costs grow.
+//! - [Where things live](guide::internals): a map of the source.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
@@ -49,6 +72,7 @@ pub mod client;
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 mod fingerprint;
+pub mod guide;
 mod key;
 mod server;
 pub mod store;

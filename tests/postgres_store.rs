@@ -304,14 +304,14 @@ async fn unreachable_database_fails_closed() {
 }
 
 #[tokio::test]
-async fn readme_shows_the_migration_sql() {
+async fn the_postgres_guide_shows_the_migration_sql() {
     let store = PostgresStore::connect(&support::database_url())
         .await
         .unwrap();
-    let readme = include_str!("../README.md");
+    let guide = include_str!("../src/guide/postgres.md");
     assert!(
-        readme.contains(store.migration_sql().trim()),
-        "README's SQL differs from migration_sql()"
+        guide.contains(store.migration_sql().trim()),
+        "the PostgreSQL guide page's SQL differs from migration_sql()"
     );
 }
 
@@ -461,16 +461,16 @@ async fn resource_id_comes_from_location_or_the_chosen_extractor() {
     assert_eq!(audit(&store, "too-long").await.0, None);
 }
 
-/// The reconciliation query the README documents, on `keys` and the business table
-/// `payments`, for the day of `now()`.
-fn readme_reconciliation_query(keys: &str, payments: &str) -> String {
-    let readme = include_str!("../README.md");
-    let start = readme
+/// The reconciliation query the PostgreSQL guide page documents, on `keys` and the business
+/// table `payments`, for the day of `now()`.
+fn guide_reconciliation_query(keys: &str, payments: &str) -> String {
+    let guide = include_str!("../src/guide/postgres.md");
+    let start = guide
         .find("```sql\nSELECT p.id")
-        .expect("README shows the reconciliation query")
+        .expect("the PostgreSQL guide page shows the reconciliation query")
         + "```sql\n".len();
-    let end = start + readme[start..].find("```").unwrap();
-    readme[start..end]
+    let end = start + guide[start..].find("```").unwrap();
+    guide[start..end]
         .replace("FROM payments AS p", &format!("FROM {payments} AS p"))
         .replace("public.idempotency_keys", keys)
         .replace("DATE '2026-12-05'", "current_date")
@@ -478,7 +478,7 @@ fn readme_reconciliation_query(keys: &str, payments: &str) -> String {
 
 #[tokio::test]
 #[ignore = "needs PostgreSQL: scripts/test.sh"]
-async fn readme_reconciliation_query_joins_payments_to_their_requests() {
+async fn guide_reconciliation_query_joins_payments_to_their_requests() {
     let store = support::postgres_store().await.count_replays();
     let payments = unique_table("payments");
     let client = support::store_client(&support::database_url()).await;
@@ -500,7 +500,7 @@ async fn readme_reconciliation_query_joins_payments_to_their_requests() {
         }
     }
 
-    let sql = readme_reconciliation_query(store.table_name(), &payments);
+    let sql = guide_reconciliation_query(store.table_name(), &payments);
     let rows = client.query(&sql, &[]).await.unwrap();
     client
         .batch_execute(&format!("DROP TABLE {payments}"))
