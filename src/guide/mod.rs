@@ -19,6 +19,8 @@
 //!   rendering them as your API renders its errors (the IETF profile, your own).
 //! - [Details that matter in production](production): keys, scope, fingerprint, outcomes,
 //!   leases, fencing, and what survives a store that fails.
+//! - [Fingerprints and webhooks](fingerprints): canonical JSON, ignored fields, and keys
+//!   read from the body, for clients that do not resend identical bytes.
 //! - [Waiting for the original](waiting): duplicates that wait for the outcome instead of
 //!   answering `409`.
 //! - [Threat model](threat_model): who can see or change what, on each store.
@@ -126,6 +128,10 @@ page! {
 
 page! {
     pub mod production = "production.md";
+}
+
+page! {
+    pub mod fingerprints = "fingerprints.md";
 }
 
 page! {

@@ -12,7 +12,6 @@ use tower_service::Service;
 
 use super::{
     body::ResponseBody,
-    body_key::BodyKey,
     capture,
     derived_key::DerivedKeys,
     grpc::Protocol,
@@ -32,6 +31,11 @@ use crate::{fingerprint::SentHeaders, store::Claim, ClaimToken, Fingerprint, Ide
 /// Answers a keyed request: a replay, a rejection, or the inner service's response
 /// (recorded unless released).
 ///
+/// `key` is the principal and key read before the body, or `None` on a route whose key is
+/// in the body ([`key_from_json`](crate::IdempotencyLayer::key_from_json)): looked for once
+/// the body is read, and a request whose body holds none is refused on a required route,
+/// and passed through otherwise, as one without the header would be.
+///
 /// Everything runs in the request's own task; an execution whose request is dropped
 /// finishes in a task of its own, so a client disconnecting cannot cancel it or its
 /// recording.
@@ -40,40 +44,10 @@ use crate::{fingerprint::SentHeaders, store::Claim, ClaimToken, Fingerprint, Ide
 /// argument twice in the future (the argument, and the local it is moved into).
 #[allow(clippy::manual_async_fn)] // on purpose: see above
 pub(crate) fn keyed<S, ReqBody, ResBody>(
-    inner: S,
-    shared: Arc<Shared>,
-    (principal, key): (Option<Principal>, IdempotencyKey),
-    (parts, body): (Parts, ReqBody),
-) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
-where
-    S: Service<Request<ReqBody::HandedOn>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqBody: HandOnBody + Send + 'static,
-    ReqBody::HandedOn: Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: fmt::Display + Send,
-{
-    async move {
-        let body = match read(&shared, &parts, body).await {
-            Ok(body) => body,
-            Err(refused) => return Ok(refused),
-        };
-        answer::<S, ReqBody, ResBody>(inner, shared, (principal, key), (parts, body)).await
-    }
-}
-
-/// [`keyed`], for a route whose key is in the body
-/// ([`key_from_json`](crate::IdempotencyLayer::key_from_json)): read first, then looked
-/// for. A request whose body holds no key is refused on a required route, and passed
-/// through otherwise, as one without the header would be.
-#[allow(clippy::manual_async_fn)] // on purpose: see `keyed`
-pub(crate) fn keyed_by_body<S, ReqBody, ResBody>(
     mut inner: S,
     shared: Arc<Shared>,
-    body_key: BodyKey,
-    (parts, body): (Parts, ReqBody),
+    key: Option<(Option<Principal>, IdempotencyKey)>,
+    (mut parts, body): (Parts, ReqBody),
 ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
 where
     S: Service<Request<ReqBody::HandedOn>, Response = Response<ResBody>> + Send + 'static,
@@ -82,77 +56,6 @@ where
     ReqBody: HandOnBody + Send + 'static,
     ReqBody::HandedOn: Send + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: fmt::Display + Send,
-{
-    async move {
-        let body = match read(&shared, &parts, body).await {
-            Ok(body) => body,
-            Err(refused) => return Ok(refused),
-        };
-        let (config, meters) = (&shared.config, &shared.state.meters);
-        let key = match body_key.find(&parts, &body) {
-            Ok(Some(key)) => key,
-            Ok(None) if config.required => {
-                meters.answered(RequestOutcome::KeyMissing);
-                return Ok(config.refuse(Reason::KeyRequired, &parts));
-            }
-            Ok(None) => {
-                let request = Request::from_parts(parts, ReqBody::rebuilt(body));
-                return Ok(inner.call(request).await?.map(ResponseBody::inner));
-            }
-            Err(_) => {
-                meters.answered(RequestOutcome::InvalidKey);
-                return Ok(config.refuse(Reason::InvalidKey, &parts));
-            }
-        };
-        let principal = config.principal.0.extract(&parts);
-        if principal.is_none() && !config.anonymous && !config.unscoped {
-            meters.answered(RequestOutcome::PrincipalMissing);
-            return Ok(refuse_anonymous(config, &parts));
-        }
-        answer::<S, ReqBody, ResBody>(inner, shared, (principal, key), (parts, body)).await
-    }
-}
-
-/// The request's body, read whole within the layer's limit, or the layer's answer to a body
-/// it cannot read.
-async fn read<B, ResBody>(
-    shared: &Shared,
-    parts: &Parts,
-    body: B,
-) -> Result<Bytes, Response<ResponseBody<ResBody>>>
-where
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    let config = &shared.config;
-    request_body::read_whole(parts, body, config.max_request_body)
-        .await
-        .map_err(|reason| {
-            shared.state.meters.answered(match reason {
-                Reason::BodyTooLarge { .. } => RequestOutcome::BodyTooLarge,
-                _ => RequestOutcome::InvalidBody,
-            });
-            config.refuse(reason, parts)
-        })
-}
-
-/// A keyed request whose body was read: scoped, fingerprinted and claimed, then answered
-/// from what the claim found, or executed.
-#[allow(clippy::manual_async_fn)] // on purpose: see `keyed`
-fn answer<S, ReqBody, ResBody>(
-    inner: S,
-    shared: Arc<Shared>,
-    (principal, key): (Option<Principal>, IdempotencyKey),
-    (mut parts, body): (Parts, Bytes),
-) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
-where
-    S: Service<Request<ReqBody::HandedOn>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqBody: HandOnBody + Send + 'static,
-    ReqBody::HandedOn: Send + 'static,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: fmt::Display + Send,
 {
@@ -162,6 +65,27 @@ where
         // Read only where the layer answers by itself: a replay never needs it.
         let protocol = || Protocol::of(&parts.headers);
         let renderer = config.render_rejections.as_deref();
+        let body = match request_body::read_whole(&parts, body, config.max_request_body).await {
+            Ok(body) => body,
+            Err(reason) => {
+                meters.answered(match reason {
+                    Reason::BodyTooLarge { .. } => RequestOutcome::BodyTooLarge,
+                    _ => RequestOutcome::InvalidBody,
+                });
+                return Ok(config.refuse(reason, &parts));
+            }
+        };
+        let (principal, key) = match key {
+            Some(read) => read,
+            None => match in_body(&shared, &parts, &body) {
+                Found::Key(principal, key) => (principal, key),
+                Found::Refused(refused) => return Ok(refused),
+                Found::Nothing => {
+                    let request = Request::from_parts(parts, ReqBody::rebuilt(body));
+                    return Ok(inner.call(request).await?.map(ResponseBody::inner));
+                }
+            },
+        };
         let scope = scope::of_request(&config.endpoint, &parts, principal.as_ref(), key);
         telemetry::show_scope(&scope, config.span_key, config.span_principal);
         let fingerprint = config
@@ -271,6 +195,42 @@ where
         let request = Request::from_parts(parts, ReqBody::rebuilt(body));
         FinishOnDrop::new(execute(lease, protocol, inner, fingerprint, request)).await
     }
+}
+
+/// What a body-keyed route found in a request's body.
+enum Found<B> {
+    Key(Option<Principal>, IdempotencyKey),
+    /// No key: the request passes through.
+    Nothing,
+    /// The layer's answer: no key on a required route, an invalid one, or no principal.
+    Refused(Response<ResponseBody<B>>),
+}
+
+/// The key in `body`, where the route's `BodyKey` finds it, and the principal to scope it
+/// by: checked as the header's key and principal are before the body is read.
+fn in_body<B>(shared: &Shared, parts: &Parts, body: &[u8]) -> Found<B> {
+    let (config, meters) = (&shared.config, &shared.state.meters);
+    let Some(body_key) = &config.body_key else {
+        return Found::Nothing;
+    };
+    let key = match body_key.find(parts, body) {
+        Ok(Some(key)) => key,
+        Ok(None) if config.required => {
+            meters.answered(RequestOutcome::KeyMissing);
+            return Found::Refused(config.refuse(Reason::KeyRequired, parts));
+        }
+        Ok(None) => return Found::Nothing,
+        Err(_) => {
+            meters.answered(RequestOutcome::InvalidKey);
+            return Found::Refused(config.refuse(Reason::InvalidKey, parts));
+        }
+    };
+    let principal = config.principal.0.extract(parts);
+    if principal.is_none() && !config.anonymous && !config.unscoped {
+        meters.answered(RequestOutcome::PrincipalMissing);
+        return Found::Refused(refuse_anonymous(config, parts));
+    }
+    Found::Key(principal, key)
 }
 
 /// Runs the inner service once, keeping the lease alive, then records or releases.

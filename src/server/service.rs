@@ -74,11 +74,11 @@ where
         if !config.methods.contains(request.method()) {
             return ResponseFuture::pass_through(self.inner.call(request.map(HandOnBody::unread)));
         }
-        if let Some(body_key) = &config.body_key {
-            let (clone, body_key) = (self.inner.clone(), body_key.clone());
+        if config.body_key.is_some() {
+            // The key is in the body: looked for once it is read.
+            let clone = self.inner.clone();
             let inner = std::mem::replace(&mut self.inner, clone);
-            let keyed =
-                execute::keyed_by_body(inner, shared.clone(), body_key, request.into_parts());
+            let keyed = execute::keyed(inner, shared.clone(), None, request.into_parts());
             return instrumented(config, keyed);
         }
         let key = match IdempotencyKey::from_header_values(
@@ -109,7 +109,7 @@ where
             meters.answered(RequestOutcome::PrincipalMissing);
             return ResponseFuture::answered(refuse_anonymous(config, &parts));
         }
-        let keyed = execute::keyed(inner, shared.clone(), (principal, key), (parts, body));
+        let keyed = execute::keyed(inner, shared.clone(), Some((principal, key)), (parts, body));
         instrumented(config, keyed)
     }
 }
