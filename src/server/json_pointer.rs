@@ -1,7 +1,7 @@
 //! JSON pointers (RFC 6901), as the layer's settings name parts of a request body: the
 //! fields a fingerprint leaves out, and where a key is read from.
 
-use serde_json::Value;
+use std::borrow::Cow;
 
 /// A pointer checked when the layer is built: `""` (the whole document) is refused, since
 /// no setting means it, and any other must start with `/`.
@@ -27,69 +27,37 @@ pub(crate) fn checked(pointer: &str, what: &str) -> Box<str> {
     pointer.into()
 }
 
-/// Takes the value at `pointer` out of `document`: an object's member is removed, an
-/// array's element becomes `null` (so that the positions of the others still count). A
-/// pointer to nothing leaves the document as it is.
-pub(crate) fn remove(document: &mut Value, pointer: &str) {
-    let Some((parent, last)) = pointer.rsplit_once('/') else {
-        return;
-    };
-    let Some(parent) = document.pointer_mut(parent) else {
-        return;
-    };
-    let last = unescape(last);
-    match parent {
-        Value::Object(members) => {
-            members.remove(last.as_str());
+/// The reference tokens of a checked pointer, unescaped (`~1` is `/`, `~0` is `~`).
+pub(crate) fn tokens(pointer: &str) -> impl Iterator<Item = Cow<'_, str>> {
+    pointer.split('/').skip(1).map(|token| {
+        if token.contains('~') {
+            Cow::Owned(token.replace("~1", "/").replace("~0", "~"))
+        } else {
+            Cow::Borrowed(token)
         }
-        Value::Array(elements) => {
-            if let Some(element) = index(&last).and_then(|i| elements.get_mut(i)) {
-                *element = Value::Null;
-            }
-        }
-        _ => {}
-    }
-}
-
-/// A reference token's text: `~1` is `/`, `~0` is `~`.
-fn unescape(token: &str) -> String {
-    token.replace("~1", "/").replace("~0", "~")
+    })
 }
 
 /// An array index as RFC 6901 spells one: digits, without leading zeros.
-fn index(token: &str) -> Option<usize> {
-    let well_formed = token == "0" || (!token.starts_with('0') && !token.is_empty());
-    well_formed
-        .then(|| token.bytes().all(|b| b.is_ascii_digit()))
-        .filter(|digits| *digits)
-        .and_then(|_| token.parse().ok())
+pub(crate) fn index(token: &str) -> Option<usize> {
+    let digits = !token.is_empty() && token.bytes().all(|b| b.is_ascii_digit());
+    let canonical = token == "0" || !token.starts_with('0');
+    (digits && canonical).then(|| token.parse().ok()).flatten()
 }
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
-
     use super::*;
 
     #[test]
-    fn members_are_removed_and_elements_nulled() {
-        let mut document = json!({
-            "a": 1, "b": {"c": 2, "d/e": 3, "f~g": 4}, "list": [1, 2, 3], "keep": true
-        });
-        for pointer in [
-            "/a",
-            "/b/d~1e",
-            "/b/f~0g",
-            "/list/1",
-            "/list/01",
-            "/missing/x",
-        ] {
-            remove(&mut document, pointer);
+    fn tokens_are_unescaped_and_indexes_strict() {
+        let tokens: Vec<_> = tokens("/a~1b/c~0d/~01/0").collect();
+        assert_eq!(tokens, ["a/b", "c~d", "~1", "0"]);
+        assert_eq!(index("0"), Some(0));
+        assert_eq!(index("12"), Some(12));
+        for bad in ["", "01", "-1", "1a", "+1"] {
+            assert_eq!(index(bad), None, "{bad:?}");
         }
-        assert_eq!(
-            document,
-            json!({"b": {"c": 2}, "list": [1, null, 3], "keep": true})
-        );
     }
 
     #[test]
