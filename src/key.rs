@@ -27,7 +27,8 @@ pub const MAX_KEY_LEN: usize = 255;
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey(String);
 
-/// Why a header did not hold a valid key. Every variant answers `400 invalid_idempotency_key`.
+/// Why a request did not hold a valid key (in its header, or in its body where the route reads
+/// it there). Every variant answers `400 invalid_idempotency_key`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum InvalidKey {
@@ -50,6 +51,10 @@ pub enum InvalidKey {
     /// ([`key_from_json`](crate::IdempotencyLayer::key_from_json)) is not a JSON string.
     #[error("the idempotency key in the body is not a JSON string")]
     NotAString,
+    /// An object on the way to the key in the body names the same member twice: which one
+    /// is meant cannot be told.
+    #[error("the body names the idempotency key's member more than once")]
+    RepeatedInBody,
 }
 
 impl IdempotencyKey {

@@ -161,6 +161,21 @@ async fn a_webhook_delivered_twenty_times_is_handled_once() {
 }
 
 #[tokio::test]
+async fn another_event_under_a_handled_id_is_a_mismatch_not_its_replay() {
+    let example = ExampleProcess::start(&[]).await;
+    let api = example.api();
+    let id = format!("evt_{}", fresh_key());
+    deliver(api, &event(&id)).await.assert_fresh();
+    let other = json!({ "id": id, "type": "charge.refunded" });
+    let reply = api.post("/v1/webhooks").json(&other).send().await;
+    reply.assert_error(
+        StatusCode::CONFLICT,
+        "idempotency_key_reused_with_different_params",
+    );
+    assert_eq!(api.stats().await.webhooks_executed, 1);
+}
+
+#[tokio::test]
 async fn a_delivery_without_a_string_id_is_refused_with_a_json_error() {
     let example = ExampleProcess::start(&[]).await;
     let api = example.api();
@@ -186,6 +201,13 @@ async fn a_delivery_without_a_string_id_is_refused_with_a_json_error() {
         let reply = api.post("/v1/webhooks").json(&body).send().await;
         reply.assert_error(StatusCode::BAD_REQUEST, code);
     }
+    // Which of two ids a consumer would read differs: neither is guessed.
+    let twice = api
+        .post("/v1/webhooks")
+        .json_text(r#"{"id":"evt_B","type":"x","id":"evt_A"}"#)
+        .send()
+        .await;
+    twice.assert_error(StatusCode::BAD_REQUEST, "invalid_idempotency_key");
     let not_json = api.post("/v1/webhooks").json_text("evt_1").send().await;
     not_json.assert_error(StatusCode::BAD_REQUEST, "idempotency_key_required");
     assert_eq!(api.stats().await.webhooks_executed, 0);
@@ -234,7 +256,9 @@ mod layer_options {
 
     use tower_idempotency::{BodyFingerprint, Store};
 
-    use crate::support::app::{self, post, send, spawn_send, until_executing, Handler};
+    use crate::support::app::{
+        self, post, send, spawn_send, still_waiting, until_executing, Handler,
+    };
 
     on_memory_and_redis!(
         a_key_found_by_a_function_replays_and_no_key_passes_through,
@@ -242,6 +266,7 @@ mod layer_options {
         a_body_key_needs_a_principal_only_once_a_key_is_found,
         a_custom_fingerprint_decides_what_matches,
         a_body_key_is_looked_for_only_within_the_body_limit,
+        a_duplicate_delivery_is_told_to_retry_while_the_first_runs,
     );
 
     async fn a_key_found_by_a_function_replays_and_no_key_passes_through(store: Arc<dyn Store>) {
@@ -282,6 +307,7 @@ mod layer_options {
         let original = spawn_send(&app, post("/pay").header("x-wait", "1").body(event.clone()));
         until_executing(&handler, 1).await;
         let duplicate = spawn_send(&app, post("/pay").header("x-wait", "1").body(event));
+        still_waiting(&duplicate).await;
         handler.gate.add_permits(1);
         let original = original.await.unwrap();
         let duplicate = duplicate.await.unwrap();
@@ -331,19 +357,50 @@ mod layer_options {
 
     async fn a_body_key_is_looked_for_only_within_the_body_limit(store: Arc<dyn Store>) {
         let handler = Handler::default();
+        // Not required: a body without a key would pass through, but this one is over the
+        // limit, and no key can be looked for in what was not read.
         let layer = app::layer(&store)
             .key_from_json("/id")
             .max_request_body(64)
             .fingerprint(BodyFingerprint::json());
         let app = app::router(&handler, layer);
         let padding = "x".repeat(64);
-        let oversized = format!(
-            r#"{{"id":"evt_{}","padding":"{padding}"}}"#,
-            crate::fresh_key()
-        );
-        let refused = send(&app, post("/pay").body(oversized)).await;
-        assert_eq!(refused.status, 413, "{refused:?}");
-        assert_eq!(refused.error(), "request_body_too_large");
+        for oversized in [
+            format!(
+                r#"{{"id":"evt_{}","padding":"{padding}"}}"#,
+                crate::fresh_key()
+            ),
+            format!(r#"{{"padding":"{padding}"}}"#),
+        ] {
+            let refused = send(&app, post("/pay").body(oversized)).await;
+            assert_eq!(refused.status, 413, "{refused:?}");
+            assert_eq!(refused.error(), "request_body_too_large");
+        }
         assert_eq!(handler.executions(), 0);
+        send(&app, post("/pay").body(r#"{"small":1}"#))
+            .await
+            .assert_executed();
+    }
+
+    async fn a_duplicate_delivery_is_told_to_retry_while_the_first_runs(store: Arc<dyn Store>) {
+        let handler = Handler::default();
+        let app = app::router(&handler, app::layer(&store).key_from_json("/id").required());
+        let event = format!(r#"{{"id":"evt_{}"}}"#, crate::fresh_key());
+        let original = spawn_send(&app, post("/pay").header("x-wait", "1").body(event.clone()));
+        until_executing(&handler, 1).await;
+        let duplicate = send(&app, post("/pay").body(event.clone())).await;
+        assert_eq!(duplicate.status, 409, "{duplicate:?}");
+        assert_eq!(duplicate.error(), "request_in_progress");
+        assert!(
+            duplicate.headers.contains_key("retry-after"),
+            "{duplicate:?}"
+        );
+        handler.gate.add_permits(1);
+        let original = original.await.unwrap();
+        original.assert_executed();
+        let redelivered = send(&app, post("/pay").body(event)).await;
+        assert!(redelivered.replayed(), "{redelivered:?}");
+        assert_eq!(redelivered.body, original.body);
+        assert_eq!(handler.executions(), 1);
     }
 }

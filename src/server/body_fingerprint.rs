@@ -18,7 +18,8 @@ use crate::Fingerprint;
 ///   and insignificant whitespace do not matter, and numbers and strings compare by value
 ///   (`1.0` is `1`, `"\u0041"` is `"A"`). Numbers are compared as IEEE 754 doubles, as JCS
 ///   defines, so integers past 2^53 that round to the same double match. A body that is
-///   not valid JSON is fingerprinted raw.
+///   not valid JSON, or names a member of an object twice (which JCS has no canonical form
+///   for, and which consumers read differently), is fingerprinted raw.
 /// - [`json_ignoring`](Self::json_ignoring): the same, with fields left out by JSON
 ///   pointer: a client-side timestamp or trace id that each retry sends anew.
 /// - [`custom`](Self::custom): the bytes a function of the request's parts and body
@@ -27,7 +28,9 @@ use crate::Fingerprint;
 /// The method, path, query and the [fingerprinted
 /// headers](crate::IdempotencyLayer::fingerprint_header) count under every option. Bodies
 /// are read up to the layer's `max_request_body` under every option too: a JSON option
-/// parses what was read, once.
+/// parses what was read into a tree of its own (about 32 bytes a value, so up to some 16
+/// times the body for a body of small values: keep `max_request_body` to what the route
+/// takes).
 ///
 /// # Changing it on a live service
 ///
@@ -149,14 +152,14 @@ impl BodyFingerprint {
 }
 
 /// `body` as RFC 8785 canonical JSON without the `ignored` values; `None` when it is not
-/// JSON.
+/// JSON, or not JSON that RFC 8785 gives a canonical form (an object naming a member twice).
 fn canonical(body: &[u8], ignored: &[Box<str>]) -> Option<Vec<u8>> {
     let mut document = canonical_json::parse(body)?;
     for pointer in ignored {
         document.remove(pointer);
     }
     let mut canonical = Vec::with_capacity(body.len());
-    canonical_json::write(&document, &mut canonical);
+    canonical_json::write(&document, &mut canonical).ok()?;
     Some(canonical)
 }
 
@@ -279,6 +282,22 @@ mod tests {
         assert_ne!(
             of(&BodyFingerprint::json(), "amount=1000"),
             of(&BodyFingerprint::json(), "amount=1001")
+        );
+    }
+
+    #[test]
+    fn a_member_named_twice_is_fingerprinted_raw() {
+        // Which of the two a consumer reads differs: never the same as either alone.
+        let json = BodyFingerprint::json();
+        let twice = r#"{"amount":100,"amount":1000}"#;
+        assert_eq!(of(&json, twice), of(&BodyFingerprint::raw(), twice));
+        assert_ne!(of(&json, twice), of(&json, r#"{"amount":1000}"#));
+        assert_ne!(of(&json, twice), of(&json, r#"{"amount":100}"#));
+        // Unless the repeated member is one left out.
+        let ignoring = BodyFingerprint::json_ignoring(["/note"]);
+        assert_eq!(
+            of(&ignoring, r#"{"amount":1,"note":"a","note":"b"}"#),
+            of(&ignoring, r#"{"amount":1}"#)
         );
     }
 

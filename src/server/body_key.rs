@@ -2,11 +2,12 @@
 
 use std::{fmt, sync::Arc};
 
-use http::request::Parts;
-use serde_json::Value;
-
-use super::json_pointer;
+use super::{
+    canonical_json::{self, Node, Repeated},
+    json_pointer,
+};
 use crate::{IdempotencyKey, InvalidKey};
+use http::request::Parts;
 
 /// Where a route finds each request's key in its body, set with
 /// [`key_from_json`](crate::IdempotencyLayer::key_from_json) or
@@ -31,7 +32,9 @@ impl BodyKey {
     }
 
     /// The request's key: `Ok(None)` when the body holds none (not JSON, or nothing at the
-    /// pointer, or `null` there), an error when what it holds is no valid key.
+    /// pointer, or `null` there), an error when what it holds is no valid key, or when an
+    /// object on the pointer's way names the member twice (senders' and consumers' readers
+    /// differ on which one counts).
     pub(crate) fn find(
         &self,
         parts: &Parts,
@@ -39,13 +42,14 @@ impl BodyKey {
     ) -> Result<Option<IdempotencyKey>, InvalidKey> {
         match self {
             Self::Json(pointer) => {
-                let Ok(document) = serde_json::from_slice::<Value>(body) else {
+                let Some(document) = canonical_json::parse(body) else {
                     return Ok(None);
                 };
-                match document.pointer(pointer) {
-                    None | Some(Value::Null) => Ok(None),
-                    Some(Value::String(key)) => IdempotencyKey::from_text(key).map(Some),
-                    Some(_) => Err(InvalidKey::NotAString),
+                match document.get(pointer) {
+                    Ok(None | Some(Node::Null)) => Ok(None),
+                    Ok(Some(Node::String(key))) => IdempotencyKey::from_text(key).map(Some),
+                    Ok(Some(_)) => Err(InvalidKey::NotAString),
+                    Err(Repeated) => Err(InvalidKey::RepeatedInBody),
                 }
             }
             Self::Custom(find) => find(parts, body)
@@ -103,6 +107,15 @@ mod tests {
         }
         assert_eq!(find(&id, r#"{"id":42}"#), Err(InvalidKey::NotAString));
         assert_eq!(find(&id, r#"{"id":{"a":1}}"#), Err(InvalidKey::NotAString));
+        assert_eq!(
+            find(&id, r#"{"id":"evt_B","id":"evt_A"}"#),
+            Err(InvalidKey::RepeatedInBody)
+        );
+        let nested = BodyKey::json("/data/id");
+        assert_eq!(
+            find(&nested, r#"{"data":{"id":"a"},"data":{"id":"b"}}"#),
+            Err(InvalidKey::RepeatedInBody)
+        );
         assert_eq!(find(&id, r#"{"id":""}"#), Err(InvalidKey::Empty));
         assert_eq!(
             find(&id, r#"{"id":"evt 1"}"#),

@@ -17,7 +17,8 @@ use super::json_pointer;
 
 /// A parsed JSON document. Numbers are kept as serde_json reads them (an unsigned or a
 /// signed integer where one holds them, else a double), and an object's members in the
-/// order sent, repeats included: the last of a repeated name counts, as with serde_json.
+/// order sent, repeats included: RFC 8785 has no canonical form for an object that names a
+/// member twice ([`write`] refuses it), and consumers differ on which one counts.
 pub(crate) enum Node<'a> {
     Null,
     Bool(bool),
@@ -62,23 +63,57 @@ impl<'a> Node<'a> {
         }
     }
 
-    /// The member or element `token` names: the last member of the name, as serde_json
-    /// keeps it.
+    /// The member or element `token` names; `None` when there is none, or when the object
+    /// names it more than once (it is refused when written anyway).
     fn child(&mut self, token: &str) -> Option<&mut Node<'a>> {
         match self {
-            Node::Object(members) => members
-                .iter_mut()
-                .rev()
-                .find(|(name, _)| name == token)
-                .map(|(_, value)| value),
+            Node::Object(members) => {
+                let mut named = members.iter_mut().filter(|(name, _)| name == token);
+                match (named.next(), named.next()) {
+                    (Some((_, value)), None) => Some(value),
+                    _ => None,
+                }
+            }
             Node::Array(elements) => json_pointer::index(token).and_then(|i| elements.get_mut(i)),
             _ => None,
         }
     }
+
+    /// The value at `pointer`: `Ok(None)` where there is none, an error where an object on
+    /// the way names the member more than once (which of them is meant is not the
+    /// layer's to guess).
+    pub(crate) fn get(&self, pointer: &str) -> Result<Option<&Node<'a>>, Repeated> {
+        let mut node = self;
+        for token in json_pointer::tokens(pointer) {
+            node = match node {
+                Node::Object(members) => {
+                    let mut named = members.iter().filter(|(name, _)| *name == token);
+                    match (named.next(), named.next()) {
+                        (Some((_, value)), None) => value,
+                        (None, _) => return Ok(None),
+                        (Some(_), Some(_)) => return Err(Repeated),
+                    }
+                }
+                Node::Array(elements) => {
+                    match json_pointer::index(&token).and_then(|i| elements.get(i)) {
+                        Some(element) => element,
+                        None => return Ok(None),
+                    }
+                }
+                _ => return Ok(None),
+            };
+        }
+        Ok(Some(node))
+    }
 }
 
-/// Appends `document`'s canonical form to `out`.
-pub(crate) fn write(document: &Node<'_>, out: &mut Vec<u8>) {
+/// An object named a member more than once.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Repeated;
+
+/// Appends `document`'s canonical form to `out`; an error, with `out` left part written,
+/// when an object in it names a member more than once.
+pub(crate) fn write(document: &Node<'_>, out: &mut Vec<u8>) -> Result<(), Repeated> {
     match document {
         Node::Null => out.extend_from_slice(b"null"),
         Node::Bool(true) => out.extend_from_slice(b"true"),
@@ -99,14 +134,13 @@ pub(crate) fn write(document: &Node<'_>, out: &mut Vec<u8>) {
                 if i > 0 {
                     out.push(b',');
                 }
-                write(element, out);
+                write(element, out)?;
             }
             out.push(b']');
         }
         Node::Object(members) => {
             let mut sorted: Vec<&(Cow<'_, str>, Node<'_>)> = members.iter().collect();
-            // Stable, so that of a repeated name the last member sent stays last.
-            sorted.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            sorted.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
             // UTF-8 byte order is code point order, which is UTF-16 order except between a
             // character past U+FFFF and one from U+E000 to U+FFFF (UTF-8 lead byte 0xEE
             // and up): only names with such characters need the slower comparison.
@@ -116,23 +150,22 @@ pub(crate) fn write(document: &Node<'_>, out: &mut Vec<u8>) {
             {
                 sorted.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
             }
+            if sorted.windows(2).any(|pair| pair[0].0 == pair[1].0) {
+                return Err(Repeated);
+            }
             out.push(b'{');
-            let mut first = true;
-            for (i, (name, value)) in sorted.iter().enumerate() {
-                if sorted.get(i + 1).is_some_and(|(next, _)| next == name) {
-                    continue;
-                }
-                if !first {
+            for (i, (name, value)) in sorted.into_iter().enumerate() {
+                if i > 0 {
                     out.push(b',');
                 }
-                first = false;
                 write_string(name, out);
                 out.push(b':');
-                write(value, out);
+                write(value, out)?;
             }
             out.push(b'}');
         }
     }
+    Ok(())
 }
 
 /// The largest integer a double holds exactly: integers up to it print as their digits,
@@ -257,7 +290,7 @@ mod tests {
     fn canonical(text: &str) -> String {
         let document = parse(text.as_bytes()).unwrap();
         let mut out = Vec::new();
-        write(&document, &mut out);
+        write(&document, &mut out).unwrap();
         String::from_utf8(out).unwrap()
     }
 
@@ -278,7 +311,7 @@ mod tests {
             document.remove(pointer);
         }
         let mut out = Vec::new();
-        write(&document, &mut out);
+        write(&document, &mut out).unwrap();
         assert_eq!(
             String::from_utf8(out).unwrap(),
             r#"{"b":{"c":2},"keep":true,"list":[1,null,3]}"#
@@ -286,13 +319,25 @@ mod tests {
     }
 
     #[test]
-    fn of_a_repeated_name_the_last_member_counts() {
-        assert_eq!(canonical(r#"{"b":1,"a":2,"b":3}"#), r#"{"a":2,"b":3}"#);
-        let mut document = parse(br#"{"x":{"y":1},"x":{"y":2,"z":3}}"#).unwrap();
-        document.remove("/x/y");
-        let mut out = Vec::new();
-        write(&document, &mut out);
-        assert_eq!(String::from_utf8(out).unwrap(), r#"{"x":{"z":3}}"#);
+    fn a_member_named_twice_has_no_canonical_form() {
+        let twice = |text: &str| {
+            let document = parse(text.as_bytes()).unwrap();
+            write(&document, &mut Vec::new())
+        };
+        assert_eq!(twice(r#"{"b":1,"a":2,"b":3}"#), Err(Repeated));
+        assert_eq!(twice(r#"[{"x":{"y":1,"y":1}}]"#), Err(Repeated));
+        assert_eq!(twice(r#"{"x":{"y":1},"z":{"y":1}}"#), Ok(()));
+        // Removed, a repeated member is gone: every member of its name goes.
+        let mut document = parse(br#"{"a":1,"r":1,"r":2}"#).unwrap();
+        document.remove("/r");
+        assert_eq!(write(&document, &mut Vec::new()), Ok(()));
+        // A pointer does not pick one of two members of a name.
+        let document = parse(br#"{"x":{"y":1},"x":{"y":2}}"#).unwrap();
+        assert_eq!(
+            document.get("/x/y").map(|found| found.is_some()),
+            Err(Repeated)
+        );
+        assert!(matches!(document.get("/z"), Ok(None)));
     }
 
     #[test]
@@ -361,7 +406,7 @@ mod tests {
         fn the_same_bytes_as_a_strict_jcs_implementation(document in document()) {
             let text = serde_json::to_string(&document).unwrap();
             let mut ours = Vec::new();
-            write(&parse(text.as_bytes()).unwrap(), &mut ours);
+            write(&parse(text.as_bytes()).unwrap(), &mut ours).unwrap();
             let theirs = serde_json_canonicalizer::to_vec(&document).unwrap();
             prop_assert_eq!(String::from_utf8(ours).unwrap(), String::from_utf8(theirs).unwrap());
         }
@@ -370,10 +415,10 @@ mod tests {
         fn the_text_a_document_is_written_as_does_not_matter(document in document()) {
             let compact = serde_json::to_string(&document).unwrap();
             let mut once = Vec::new();
-            write(&parse(compact.as_bytes()).unwrap(), &mut once);
+            write(&parse(compact.as_bytes()).unwrap(), &mut once).unwrap();
             let pretty = serde_json::to_string_pretty(&document).unwrap();
             let mut again = Vec::new();
-            write(&parse(pretty.as_bytes()).unwrap(), &mut again);
+            write(&parse(pretty.as_bytes()).unwrap(), &mut again).unwrap();
             prop_assert_eq!(once, again);
         }
     }

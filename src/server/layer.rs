@@ -180,12 +180,20 @@ impl IdempotencyLayer {
     /// with the same event id and no `Idempotency-Key`.
     ///
     /// The key must be a JSON string of 1 to 255 visible ASCII characters. A body whose
-    /// pointer holds anything else (a number, an object) gets `400
-    /// invalid_idempotency_key`. A body with nothing there (or `null`, or a body that is not
-    /// JSON) gets `400 idempotency_key_required` on a [`required`](Self::required) route and
-    /// passes through unprotected otherwise. The body is read (up to
-    /// [`max_request_body`](Self::max_request_body)) before the key is known, so every
-    /// request of the route is read whole, keyed or not.
+    /// pointer holds anything else (a number, an object), or whose objects on the way name
+    /// the member twice, gets `400 invalid_idempotency_key`. A body with nothing there (or
+    /// `null`, or a body that is not JSON) gets `400 idempotency_key_required` on a
+    /// [`required`](Self::required) route and passes through unprotected otherwise.
+    ///
+    /// The body is read before the key is known, so every request of the route is read
+    /// whole, keyed or not, and one over [`max_request_body`](Self::max_request_body) (or
+    /// one that fails mid-read) is refused even where a request without a key would pass
+    /// through. Not for streaming routes (gRPC streams among them).
+    ///
+    /// Verify the sender's signature before this layer, in a layer outside it: a forged
+    /// delivery that reached it with a real event's id would be executed first and
+    /// recorded (a `401` from the handler is a result, and replays), and the genuine
+    /// delivery would then be answered from that record.
     ///
     /// A delivery of an event already handled gets the recorded response; one that comes
     /// while the first still runs gets `409 request_in_progress` with `Retry-After`, which
@@ -193,21 +201,36 @@ impl IdempotencyLayer {
     ///
     /// # Panics
     ///
-    /// When `pointer` is not a JSON pointer to a field (it must start with `/`).
+    /// When `pointer` is not a JSON pointer to a field: it must start with `/`, and `~` only
+    /// in `~0` or `~1`.
     ///
     /// # Example
     ///
     /// ```
-    /// use axum::{routing::post, Router};
+    /// use axum::{
+    ///     extract::Request, http::StatusCode, middleware::{from_fn, Next}, response::Response,
+    ///     routing::post, Router,
+    /// };
     /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
     ///
-    /// // Stripe events: `{"id": "evt_…", "type": "charge.succeeded", …}`, unauthenticated
-    /// // by bearer token (their signature is checked in the handler or a layer before it).
+    /// // Refuses deliveries whose signature does not check, before they reach the layer.
+    /// async fn verify_signature(request: Request, next: Next) -> Result<Response, StatusCode> {
+    ///     if !request.headers().contains_key("stripe-signature") {
+    ///         return Err(StatusCode::UNAUTHORIZED); // and check it against the body
+    ///     }
+    ///     Ok(next.run(request).await)
+    /// }
+    ///
+    /// // Stripe events: `{"id": "evt_…", "type": "charge.succeeded", …}`, with no bearer
+    /// // token: keyed by event id and endpoint alone.
     /// let webhooks = IdempotencyLayer::new(MemoryStore::new())
     ///     .key_from_json("/id")
     ///     .required()
     ///     .unscoped();
-    /// let app: Router = Router::new().route("/webhooks/stripe", post(|| async { "ok" }).layer(webhooks));
+    /// let app: Router = Router::new().route(
+    ///     "/webhooks/stripe",
+    ///     post(|| async { "ok" }).layer(webhooks).layer(from_fn(verify_signature)),
+    /// );
     /// ```
     pub fn key_from_json(mut self, pointer: &str) -> Self {
         self.config.body_key = Some(BodyKey::json(pointer));
@@ -218,7 +241,9 @@ impl IdempotencyLayer {
     /// keys [`key_from_json`](Self::key_from_json) cannot reach: `None` is no key (refused
     /// on a [`required`](Self::required) route, passed through otherwise). The key found
     /// must be 1 to 255 visible ASCII characters, or the request gets `400
-    /// invalid_idempotency_key`.
+    /// invalid_idempotency_key`. As with [`key_from_json`](Self::key_from_json), every
+    /// request of the route is read whole first, and its sender's signature is best
+    /// verified outside the layer.
     ///
     /// # Example
     ///

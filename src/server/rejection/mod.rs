@@ -241,8 +241,9 @@ impl Rejection {
             "This operation is idempotent and it requires correct usage of Idempotency Key.";
         match self.reason {
             Reason::KeyRequired => CORRECT_USE.to_owned(),
-            Reason::InvalidKey => "The Idempotency-Key header must be sent once, with 1 to 255 \
-                visible ASCII characters, bare or as a quoted string."
+            Reason::InvalidKey => "The Idempotency-Key must be sent once, with 1 to 255 visible \
+                ASCII characters: in its header bare or as a quoted string, or, on a route \
+                that reads it from the body, as a JSON string named once."
                 .to_owned(),
             Reason::InvalidBody => {
                 "The request body failed before it was read whole; nothing was executed.".to_owned()
