@@ -1,7 +1,8 @@
 //! What a JSON fingerprint costs against the raw one: replays (whose work is reading the
 //! body, fingerprinting it and finding the record) of a 1 KiB and a 64 KiB JSON body
 //! through layers that differ only in their `BodyFingerprint`, side by side in one run, on
-//! the memory store.
+//! the memory store; and a JSON fingerprint on a route keyed by the body's `/id`, which
+//! parses the body once for both.
 //!
 //! `cargo bench --bench fingerprints`
 
@@ -22,7 +23,7 @@ use support::{call, request};
 /// A payment with line items: about `size` bytes of JSON.
 fn body_of(size: usize) -> Bytes {
     let mut items = Vec::new();
-    let mut body = json!({ "amount": 1000, "currency": "usd", "items": [] });
+    let mut body = json!({ "id": "evt_1", "amount": 1000, "currency": "usd", "items": [] });
     while body.to_string().len() < size {
         let n = items.len();
         items.push(json!({ "sku": format!("sku-{n:06}"), "qty": n % 7 + 1, "price": 1999, "gift": n % 2 == 0 }));
@@ -48,10 +49,18 @@ fn raw_against_json(c: &mut Criterion) {
                 BodyFingerprint::json_ignoring(["/items/0/gift"]),
             ),
         ];
-        for (name, option) in options {
-            let layer = IdempotencyLayer::new(MemoryStore::new())
+        // The last keyed by the body's `/id` as well: its one parse serves both.
+        let keyed_by_body = [false, false, false, true];
+        let options = options
+            .into_iter()
+            .chain([("json_keyed_by_body", BodyFingerprint::json())]);
+        for ((name, option), keyed_by_body) in options.zip(keyed_by_body) {
+            let mut layer = IdempotencyLayer::new(MemoryStore::new())
                 .allow_anonymous()
                 .fingerprint(option);
+            if keyed_by_body {
+                layer = layer.key_from_json("/id");
+            }
             let handler = tower::service_fn(|_: Request<Full<Bytes>>| async {
                 let mut response =
                     Response::new(Full::new(Bytes::from_static(b"{\"id\":\"pay_1\"}")));

@@ -4,7 +4,10 @@ use std::{fmt, sync::Arc};
 
 use http::{request::Parts, HeaderName};
 
-use super::{canonical_json, json_pointer};
+use super::{
+    canonical_json::{self, Parsed},
+    json_pointer,
+};
 use crate::Fingerprint;
 
 /// How a layer fingerprints the body of a keyed request, set with
@@ -136,16 +139,23 @@ impl BodyFingerprint {
         })
     }
 
-    /// The fingerprint of a request whose body was read whole.
-    pub(crate) fn of(&self, parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Fingerprint {
+    /// The fingerprint of a request whose body was read whole (and parsed, if the route's
+    /// key was looked for in it).
+    pub(crate) fn of(
+        &self,
+        parts: &Parts,
+        headers: &[HeaderName],
+        body: Parsed<'_>,
+    ) -> Fingerprint {
+        let bytes = body.body();
         match &self.0 {
-            Kind::Raw => Fingerprint::of(parts, headers, body),
+            Kind::Raw => Fingerprint::of(parts, headers, bytes),
             Kind::Json { tag, ignored } => match canonical(body, ignored) {
                 Some(canonical) => Fingerprint::of_tagged(Some(tag), parts, headers, &canonical),
-                None => Fingerprint::of(parts, headers, body),
+                None => Fingerprint::of(parts, headers, bytes),
             },
             Kind::Custom { tag, material } => {
-                Fingerprint::of_tagged(Some(tag), parts, headers, &material(parts, body))
+                Fingerprint::of_tagged(Some(tag), parts, headers, &material(parts, bytes))
             }
         }
     }
@@ -153,12 +163,13 @@ impl BodyFingerprint {
 
 /// `body` as RFC 8785 canonical JSON without the `ignored` values; `None` when it is not
 /// JSON, or not JSON that RFC 8785 gives a canonical form (an object naming a member twice).
-fn canonical(body: &[u8], ignored: &[Box<str>]) -> Option<Vec<u8>> {
-    let mut document = canonical_json::parse(body)?;
+fn canonical(body: Parsed<'_>, ignored: &[Box<str>]) -> Option<Vec<u8>> {
+    let capacity = body.body().len();
+    let mut document = body.into_document()?;
     for pointer in ignored {
         document.remove(pointer);
     }
-    let mut canonical = Vec::with_capacity(body.len());
+    let mut canonical = Vec::with_capacity(capacity);
     canonical_json::write(&document, &mut canonical).ok()?;
     Some(canonical)
 }
@@ -198,7 +209,7 @@ mod tests {
     }
 
     fn of(option: &BodyFingerprint, body: &str) -> Fingerprint {
-        option.of(&parts(), &[], body.as_bytes())
+        option.of(&parts(), &[], Parsed::new(body.as_bytes()))
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::{fmt, sync::Arc};
 
 use super::{
-    canonical_json::{self, Node, Repeated},
+    canonical_json::{Node, Parsed, Repeated},
     json_pointer,
 };
 use crate::{IdempotencyKey, InvalidKey};
@@ -38,11 +38,11 @@ impl BodyKey {
     pub(crate) fn find(
         &self,
         parts: &Parts,
-        body: &[u8],
+        body: &mut Parsed<'_>,
     ) -> Result<Option<IdempotencyKey>, InvalidKey> {
         match self {
             Self::Json(pointer) => {
-                let Some(document) = canonical_json::parse(body) else {
+                let Some(document) = body.document() else {
                     return Ok(None);
                 };
                 match document.get(pointer) {
@@ -52,7 +52,7 @@ impl BodyKey {
                     Err(Repeated) => Err(InvalidKey::RepeatedInBody),
                 }
             }
-            Self::Custom(find) => find(parts, body)
+            Self::Custom(find) => find(parts, body.body())
                 .map(|key| IdempotencyKey::from_text(&key))
                 .transpose(),
         }
@@ -81,7 +81,7 @@ mod tests {
     }
 
     fn find(key: &BodyKey, body: &str) -> Result<Option<String>, InvalidKey> {
-        key.find(&parts(), body.as_bytes())
+        key.find(&parts(), &mut Parsed::new(body.as_bytes()))
             .map(|key| key.map(|key| key.as_str().to_owned()))
     }
 
@@ -139,8 +139,12 @@ mod tests {
             .unwrap()
             .into_parts()
             .0;
-        let key = from_query.find(&parts, b"").unwrap().unwrap();
+        let key = from_query
+            .find(&parts, &mut Parsed::new(b""))
+            .unwrap()
+            .unwrap();
         assert_eq!(key.as_str(), "d1");
-        assert_eq!(from_query.find(&self::parts(), b"").unwrap(), None);
+        let none = from_query.find(&self::parts(), &mut Parsed::new(b""));
+        assert_eq!(none.unwrap(), None);
     }
 }

@@ -35,6 +35,39 @@ pub(crate) fn parse(body: &[u8]) -> Option<Node<'_>> {
     serde_json::from_slice(body).ok()
 }
 
+/// A request body, parsed at most once for whichever reads it as JSON first: the key
+/// ([`key_from_json`](crate::IdempotencyLayer::key_from_json)) and then the fingerprint.
+pub(crate) struct Parsed<'b> {
+    body: &'b [u8],
+    /// `None` until parsed; then the document, or `None` when the body is not JSON.
+    document: Option<Option<Node<'b>>>,
+}
+
+impl<'b> Parsed<'b> {
+    pub(crate) fn new(body: &'b [u8]) -> Self {
+        Self {
+            body,
+            document: None,
+        }
+    }
+
+    /// The body's bytes.
+    pub(crate) fn body(&self) -> &'b [u8] {
+        self.body
+    }
+
+    /// The body as JSON, parsed now if it was not yet; `None` when it is not JSON.
+    pub(crate) fn document(&mut self) -> Option<&Node<'b>> {
+        let body = self.body;
+        self.document.get_or_insert_with(|| parse(body)).as_ref()
+    }
+
+    /// [`document`](Self::document), to keep.
+    pub(crate) fn into_document(self) -> Option<Node<'b>> {
+        self.document.unwrap_or_else(|| parse(self.body))
+    }
+}
+
 impl<'a> Node<'a> {
     /// Takes the value at `pointer` out: an object's member is removed (every member of
     /// that name), an array's element becomes `null` (so that the positions of the others

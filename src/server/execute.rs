@@ -12,6 +12,7 @@ use tower_service::Service;
 
 use super::{
     body::ResponseBody,
+    canonical_json::Parsed,
     capture,
     derived_key::DerivedKeys,
     grpc::Protocol,
@@ -75,12 +76,15 @@ where
                 return Ok(config.refuse(reason, &parts));
             }
         };
+        // Parsed once, if at all, for the key and the fingerprint both.
+        let mut parsed = Parsed::new(&body);
         let (principal, key) = match key {
             Some(read) => read,
-            None => match in_body(&shared, &parts, &body) {
+            None => match in_body(&shared, &parts, &mut parsed) {
                 Found::Key(principal, key) => (principal, key),
                 Found::Refused(refused) => return Ok(refused),
                 Found::Nothing => {
+                    drop(parsed);
                     let request = Request::from_parts(parts, ReqBody::rebuilt(body));
                     return Ok(inner.call(request).await?.map(ResponseBody::inner));
                 }
@@ -90,7 +94,7 @@ where
         telemetry::show_scope(&scope, config.span_key, config.span_principal);
         let fingerprint = config
             .fingerprint
-            .of(&parts, &config.fingerprint_headers, &body);
+            .of(&parts, &config.fingerprint_headers, parsed);
         let reject = |reason| {
             let rejection = Rejection::new(reason, scope.endpoint().to_owned());
             Ok(rejection.into_response(protocol(), renderer))
@@ -208,7 +212,7 @@ enum Found<B> {
 
 /// The key in `body`, where the route's `BodyKey` finds it, and the principal to scope it
 /// by: checked as the header's key and principal are before the body is read.
-fn in_body<B>(shared: &Shared, parts: &Parts, body: &[u8]) -> Found<B> {
+fn in_body<B>(shared: &Shared, parts: &Parts, body: &mut Parsed<'_>) -> Found<B> {
     let (config, meters) = (&shared.config, &shared.state.meters);
     let Some(body_key) = &config.body_key else {
         return Found::Nothing;
