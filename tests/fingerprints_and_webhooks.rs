@@ -267,6 +267,7 @@ mod layer_options {
         a_custom_fingerprint_decides_what_matches,
         a_body_key_is_looked_for_only_within_the_body_limit,
         a_duplicate_delivery_is_told_to_retry_while_the_first_runs,
+        a_refusal_says_where_in_the_body_the_key_was_looked_for,
     );
 
     async fn a_key_found_by_a_function_replays_and_no_key_passes_through(store: Arc<dyn Store>) {
@@ -402,5 +403,26 @@ mod layer_options {
         assert!(redelivered.replayed(), "{redelivered:?}");
         assert_eq!(redelivered.body, original.body);
         assert_eq!(handler.executions(), 1);
+    }
+
+    async fn a_refusal_says_where_in_the_body_the_key_was_looked_for(store: Arc<dyn Store>) {
+        let handler = Handler::default();
+        let detail = |rejection: &tower_idempotency::Rejection| {
+            let mut response = http::Response::new(bytes::Bytes::from(rejection.detail()));
+            *response.status_mut() = rejection.status();
+            response
+        };
+        let layer = app::layer(&store)
+            .key_from_json("/event/id")
+            .required()
+            .render_rejections(detail);
+        let app = app::router(&handler, layer);
+        for body in [r#"{"event":{}}"#, r#"{"event":{"id":7}}"#] {
+            let refused = send(&app, post("/pay").body(body)).await;
+            assert_eq!(refused.status, 400, "{refused:?}");
+            let text = String::from_utf8_lossy(&refused.body);
+            assert!(text.contains("request body (at /event/id)"), "{text}");
+        }
+        assert_eq!(handler.executions(), 0);
     }
 }

@@ -31,6 +31,14 @@ impl BodyKey {
         ))
     }
 
+    /// Where the key is, for people: `at /id`.
+    pub(crate) fn place(&self) -> Arc<str> {
+        match self {
+            Self::Json(pointer) => format!("at {pointer}").into(),
+            Self::Custom(_) => "where the route's own function finds it".into(),
+        }
+    }
+
     /// The request's key: `Ok(None)` when the body holds none (not JSON, or nothing at the
     /// pointer, or `null` there), an error when what it holds is no valid key, or when an
     /// object on the pointer's way names the member twice (senders' and consumers' readers

@@ -103,7 +103,9 @@ impl Config {
         endpoint: String,
     ) -> Response<ResponseBody<B>> {
         let renderer = self.render_rejections.as_deref();
-        Rejection::new(reason, endpoint).into_response(Protocol::of(&parts.headers), renderer)
+        Rejection::new(reason, endpoint)
+            .with_key_in_body(self.body_key.as_ref().map(BodyKey::place))
+            .into_response(Protocol::of(&parts.headers), renderer)
     }
 }
 

@@ -1,6 +1,6 @@
 //! Why the layer answered a request itself, and how that answer is rendered.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
@@ -23,6 +23,8 @@ pub(crate) mod problem;
 pub struct Rejection {
     reason: Reason,
     endpoint: String,
+    /// Where in the body the route reads its key, on a route that reads it there.
+    key_in_body: Option<Arc<str>>,
 }
 
 /// What kind of [`Rejection`] it is.
@@ -126,7 +128,18 @@ where
 
 impl Rejection {
     pub(crate) fn new(reason: Reason, endpoint: String) -> Self {
-        Self { reason, endpoint }
+        Self {
+            reason,
+            endpoint,
+            key_in_body: None,
+        }
+    }
+
+    /// The rejection of a request on a route that reads its key from the body, `where`
+    /// (`"at /id"`): its key's rejections say so.
+    pub(crate) fn with_key_in_body(mut self, place: Option<Arc<str>>) -> Self {
+        self.key_in_body = place;
+        self
     }
 
     /// What kind of rejection it is.
@@ -239,38 +252,46 @@ impl Rejection {
     pub fn detail(&self) -> String {
         const CORRECT_USE: &str =
             "This operation is idempotent and it requires correct usage of Idempotency Key.";
-        match self.reason {
-            Reason::KeyRequired => CORRECT_USE.to_owned(),
-            Reason::InvalidKey => "The Idempotency-Key must be sent once, with 1 to 255 visible \
-                ASCII characters: in its header bare or as a quoted string, or, on a route \
-                that reads it from the body, as a JSON string named once."
+        match (self.reason, self.key_in_body.as_deref()) {
+            (Reason::KeyRequired, Some(place)) => format!(
+                "{CORRECT_USE} This operation reads it from the request body ({place}), and \
+                 this body holds none; nothing was executed."
+            ),
+            (Reason::InvalidKey, Some(place)) => format!(
+                "This operation reads the idempotency key from the request body ({place}): it \
+                 must be a JSON string of 1 to 255 visible ASCII characters, named once; \
+                 nothing was executed."
+            ),
+            (Reason::KeyRequired, None) => CORRECT_USE.to_owned(),
+            (Reason::InvalidKey, None) => "The Idempotency-Key header must be sent once, with 1 \
+                to 255 visible ASCII characters, bare or as a quoted string."
                 .to_owned(),
-            Reason::InvalidBody => {
+            (Reason::InvalidBody, _) => {
                 "The request body failed before it was read whole; nothing was executed.".to_owned()
             }
-            Reason::BodyTooLarge { limit } => {
+            (Reason::BodyTooLarge { limit }, _) => {
                 format!("The request body is over {limit} bytes; nothing was executed.")
             }
-            Reason::ReusedWithDifferentParams => format!(
+            (Reason::ReusedWithDifferentParams, _) => format!(
                 "{CORRECT_USE} Idempotency Key MUST not be reused across different payloads \
                  of this operation."
             ),
-            Reason::InProgress { retry_after } => format!(
+            (Reason::InProgress { retry_after }, _) => format!(
                 "A request with the same Idempotency-Key for the same operation is being \
                  processed or is outstanding. Retry after {} s.",
                 retry_after_secs(retry_after)
             ),
-            Reason::StoreUnavailable => format!(
+            (Reason::StoreUnavailable, _) => format!(
                 "The Idempotency-Key could not be checked, so nothing was executed. Retry \
                  after {} s.",
                 retry_after_secs(STORE_RETRY_AFTER)
             ),
-            Reason::NotReplayable { status } => format!(
+            (Reason::NotReplayable { status }, _) => format!(
                 "The request was executed and answered HTTP {}, but its response was too \
                  large to keep; it will not be executed again.",
                 status.as_u16()
             ),
-            Reason::PrincipalMissing => "The request names no principal to scope its \
+            (Reason::PrincipalMissing, _) => "The request names no principal to scope its \
                 Idempotency-Key by, and this operation does not accept anonymous requests; \
                 nothing was executed."
                 .to_owned(),
@@ -457,6 +478,25 @@ mod tests {
             retry_after: Duration::from_secs(3),
         });
         assert_eq!(in_progress.grpc_response().headers()["retry-after"], "3");
+    }
+
+    #[test]
+    fn a_key_read_from_the_body_is_said_to_be_missing_or_invalid_there() {
+        let at = |reason| {
+            Rejection::new(reason, "POST /v1/webhooks".to_owned())
+                .with_key_in_body(Some("at /id".into()))
+        };
+        for reason in [Reason::KeyRequired, Reason::InvalidKey] {
+            let detail = at(reason).detail();
+            assert!(detail.contains("request body (at /id)"), "{detail}");
+            assert!(!detail.contains("header"), "{detail}");
+            let header = Rejection::new(reason, "POST /v1/payments".to_owned()).detail();
+            assert!(!header.contains("request body"), "{header}");
+            // The code, the status and the default JSON are those of a header's key.
+            assert_eq!(at(reason).json_response().body(), {
+                Rejection::new(reason, String::new()).json_response().body()
+            });
+        }
     }
 
     #[test]
