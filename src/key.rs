@@ -71,6 +71,11 @@ impl IdempotencyKey {
         } else {
             parse_bare(raw)?
         };
+        Self::of_length(key)
+    }
+
+    /// `key`, if it has 1 to 255 characters.
+    fn of_length(key: String) -> Result<Self, InvalidKey> {
         match key.len() {
             0 => Err(InvalidKey::Empty),
             n if n > MAX_KEY_LEN => Err(InvalidKey::TooLong),
@@ -94,14 +99,13 @@ impl IdempotencyKey {
     /// A key read from somewhere other than a header (a request body): 1 to 255 visible
     /// ASCII characters, taken as they are (no quoted form).
     pub(crate) fn from_text(text: &str) -> Result<Self, InvalidKey> {
-        match text.len() {
-            0 => Err(InvalidKey::Empty),
-            n if n > MAX_KEY_LEN => Err(InvalidKey::TooLong),
-            _ if !text.bytes().all(|b| (0x21..=0x7e).contains(&b)) => {
-                Err(InvalidKey::InvalidCharacter)
-            }
-            _ => Ok(Self(text.to_owned())),
+        if text.len() > MAX_KEY_LEN {
+            return Err(InvalidKey::TooLong);
         }
+        if !text.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            return Err(InvalidKey::InvalidCharacter);
+        }
+        Self::of_length(text.to_owned())
     }
 
     /// The key's characters, unquoted and unescaped.

@@ -22,7 +22,7 @@ use super::{
     replay::replay,
     request_body::{self, BoxError, HandOnBody},
     scope,
-    service::refuse_anonymous,
+    service::{principal_of, refuse_anonymous, refuse_key},
     state::Shared,
     telemetry::{self, RequestOutcome},
     wait,
@@ -213,28 +213,22 @@ enum Found<B> {
 /// The key in `body`, where the route's `BodyKey` finds it, and the principal to scope it
 /// by: checked as the header's key and principal are before the body is read.
 fn in_body<B>(shared: &Shared, parts: &Parts, body: &mut Parsed<'_>) -> Found<B> {
-    let (config, meters) = (&shared.config, &shared.state.meters);
+    let config = &shared.config;
     let Some(body_key) = &config.body_key else {
         return Found::Nothing;
     };
     let key = match body_key.find(parts, body) {
         Ok(Some(key)) => key,
         Ok(None) if config.required => {
-            meters.answered(RequestOutcome::KeyMissing);
-            return Found::Refused(config.refuse(Reason::KeyRequired, parts));
+            return Found::Refused(refuse_key(shared, Reason::KeyRequired, parts));
         }
         Ok(None) => return Found::Nothing,
-        Err(_) => {
-            meters.answered(RequestOutcome::InvalidKey);
-            return Found::Refused(config.refuse(Reason::InvalidKey, parts));
-        }
+        Err(_) => return Found::Refused(refuse_key(shared, Reason::InvalidKey, parts)),
     };
-    let principal = config.principal.0.extract(parts);
-    if principal.is_none() && !config.anonymous && !config.unscoped {
-        meters.answered(RequestOutcome::PrincipalMissing);
-        return Found::Refused(refuse_anonymous(config, parts));
+    match principal_of(shared, parts) {
+        Ok(principal) => Found::Key(principal, key),
+        Err(_) => Found::Refused(refuse_anonymous(config, parts)),
     }
-    Found::Key(principal, key)
 }
 
 /// Runs the inner service once, keeping the lease alive, then records or releases.

@@ -21,6 +21,7 @@ use super::{
     config::Config,
     execute,
     future::ResponseFuture,
+    principal::Principal,
     rejection::Reason,
     request_body::{BoxError, HandOnBody},
     scope,
@@ -70,14 +71,13 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let shared = &self.shared;
-        let (config, meters) = (&shared.config, &shared.state.meters);
+        let config = &shared.config;
         if !config.methods.contains(request.method()) {
             return ResponseFuture::pass_through(self.inner.call(request.map(HandOnBody::unread)));
         }
         if config.body_key.is_some() {
             // The key is in the body: looked for once it is read.
-            let clone = self.inner.clone();
-            let inner = std::mem::replace(&mut self.inner, clone);
+            let inner = take_ready(&mut self.inner);
             let keyed = execute::keyed(inner, shared.clone(), None, request.into_parts());
             return instrumented(config, keyed);
         }
@@ -86,33 +86,69 @@ where
         ) {
             Ok(Some(key)) => key,
             Ok(None) if config.required => {
-                meters.answered(RequestOutcome::KeyMissing);
                 let (parts, _) = request.into_parts();
-                return ResponseFuture::answered(config.refuse(Reason::KeyRequired, &parts));
+                return ResponseFuture::answered(refuse_key(shared, Reason::KeyRequired, &parts));
             }
             Ok(None) => {
                 let request = request.map(HandOnBody::unread);
                 return ResponseFuture::pass_through(self.inner.call(request));
             }
             Err(_) => {
-                meters.answered(RequestOutcome::InvalidKey);
                 let (parts, _) = request.into_parts();
-                return ResponseFuture::answered(config.refuse(Reason::InvalidKey, &parts));
+                return ResponseFuture::answered(refuse_key(shared, Reason::InvalidKey, &parts));
             }
         };
-        // The service that was made ready goes with this request; the clone stays for the next.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let inner = take_ready(&mut self.inner);
         let (parts, body) = request.into_parts();
-        let principal = config.principal.0.extract(&parts);
-        if principal.is_none() && !config.anonymous && !config.unscoped {
-            meters.answered(RequestOutcome::PrincipalMissing);
+        let Ok(principal) = principal_of(shared, &parts) else {
             return ResponseFuture::answered(refuse_anonymous(config, &parts));
-        }
+        };
         let keyed = execute::keyed(inner, shared.clone(), Some((principal, key)), (parts, body));
         instrumented(config, keyed)
     }
 }
+
+/// The service that was made ready, to go with this request; a clone stays for the next.
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
+}
+
+/// The answer to a request whose key is missing on a required route
+/// ([`Reason::KeyRequired`]) or invalid ([`Reason::InvalidKey`]), counted.
+pub(crate) fn refuse_key<B>(
+    shared: &Shared,
+    reason: Reason,
+    parts: &Parts,
+) -> Response<ResponseBody<B>> {
+    let outcome = match reason {
+        Reason::KeyRequired => RequestOutcome::KeyMissing,
+        _ => RequestOutcome::InvalidKey,
+    };
+    shared.state.meters.answered(outcome);
+    shared.config.refuse(reason, parts)
+}
+
+/// The principal a keyed request is scoped by; an error, counted, for one that names none
+/// on a route that allows no anonymous requests (answered with [`refuse_anonymous`]).
+pub(crate) fn principal_of(
+    shared: &Shared,
+    parts: &Parts,
+) -> Result<Option<Principal>, PrincipalMissing> {
+    let config = &shared.config;
+    let principal = config.principal.0.extract(parts);
+    if principal.is_none() && !config.anonymous && !config.unscoped {
+        shared
+            .state
+            .meters
+            .answered(RequestOutcome::PrincipalMissing);
+        return Err(PrincipalMissing);
+    }
+    Ok(principal)
+}
+
+/// A keyed request named no principal where one is needed.
+pub(crate) struct PrincipalMissing;
 
 /// A keyed request's future, in the request's span: one no subscriber records is left out,
 /// since entering it on every poll costs.
