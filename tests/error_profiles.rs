@@ -389,6 +389,11 @@ async fn store_unavailable_and_not_replayable(profile: Profile) {
         assert_rejection(&reply, profile, Kind::StoreUnavailable);
     }
     assert_eq!(api.stats().await.payments_executed, 0);
+    // A webhook delivery, keyed by its body, is refused the same way: its sender retries.
+    let event = json!({ "id": format!("evt_{}", fresh_key()), "type": "x" });
+    let reply = api.post("/v1/webhooks").json(&event).send().await;
+    assert_rejection(&reply, profile, Kind::StoreUnavailable);
+    assert_eq!(api.stats().await.webhooks_executed, 0);
 }
 
 /// A `POST /v1/payments` whose `Content-Length` says 100 bytes, followed by 10.
