@@ -876,54 +876,171 @@ async fn a_replay_needs_no_replica() {
 /// How long the payment that runs across the failover takes: longer than a failover.
 const ACROSS_FAILOVER: Duration = Duration::from_secs(16);
 
-/// Strict (the default): after the failover, replays, duplicates and mismatches are
-/// answered from what their claims read, the running payment is answered once its handler
-/// ends (not a lease later), new payments get `503`, and once the old primary is back as
-/// a replica, new payments execute again, with no restart.
-// On one thread: the logs this test reads are captured per thread.
+/// Strict (the default), behind Sentinel: after the failover, replays, duplicates and
+/// mismatches are answered from what their claims read, the running payment is answered
+/// once its handler ends (not a lease later), new payments get `503`, and once the old
+/// primary is back as a replica, new payments execute again, with no restart.
+// On one thread: the logs these tests read are captured per thread.
 #[tokio::test]
 #[ignore = "needs redis-server: scripts/test.sh"]
 async fn with_no_replica_left_replays_go_on_and_new_claims_get_503_until_one_is_back() {
-    failover_to_no_replica(false).await;
+    failover_to_no_replica(Topology::Sentinel, false).await;
 }
 
-/// Best effort: the same, but new payments execute while no replica acknowledges.
+/// Best effort, behind Sentinel: the same, but new payments execute while no replica
+/// acknowledges.
 #[tokio::test]
 #[ignore = "needs redis-server: scripts/test.sh"]
 async fn with_no_replica_left_best_effort_claims_execute() {
-    failover_to_no_replica(true).await;
+    failover_to_no_replica(Topology::Sentinel, true).await;
 }
 
-async fn failover_to_no_replica(best_effort: bool) {
+/// Strict, in a cluster whose shard failed over to its only replica: the same as behind
+/// Sentinel, on that shard.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn in_a_cluster_a_shard_left_with_no_replica_replays_and_refuses_new_claims_until_one_is_back(
+) {
+    failover_to_no_replica(Topology::Cluster, false).await;
+}
+
+/// Best effort, in a cluster whose shard failed over to its only replica.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn in_a_cluster_a_shard_left_with_no_replica_executes_best_effort_claims() {
+    failover_to_no_replica(Topology::Cluster, true).await;
+}
+
+/// Where the failover to no replica happens.
+#[derive(Clone, Copy, Debug)]
+enum Topology {
+    /// A primary with one replica behind three sentinels.
+    Sentinel,
+    /// Three masters with one replica each: one shard fails over.
+    Cluster,
+}
+
+/// The servers of a [`Topology`]; every method blocks.
+enum Servers {
+    Sentinel(SentinelSet),
+    Cluster(RedisCluster),
+}
+
+impl Servers {
+    fn start(topology: Topology) -> Self {
+        match topology {
+            Topology::Sentinel => Self::Sentinel(SentinelSet::start()),
+            Topology::Cluster => Self::Cluster(RedisCluster::start(3, 1)),
+        }
+    }
+
+    async fn store(&self, prefix: &str) -> RedisStore {
+        match self {
+            Self::Sentinel(set) => sentinel_store(set, prefix, true).await,
+            Self::Cluster(cluster) => cluster_store(cluster, prefix, true).await,
+        }
+    }
+
+    /// The primary serving a Redis key.
+    fn primary_for(&self, redis_key: &str) -> u16 {
+        match self {
+            Self::Sentinel(set) => set.primary_port(),
+            Self::Cluster(cluster) => cluster.master_for_key(redis_key),
+        }
+    }
+
+    /// A fresh idempotency key whose record `primary` serves.
+    fn fresh_key_on(&self, primary: u16, redis_key: impl Fn(&str) -> String) -> String {
+        loop {
+            let key = fresh_key();
+            if self.primary_for(&redis_key(&key)) == primary {
+                return key;
+            }
+        }
+    }
+
+    /// Kills `primary` and waits until its only replica has taken over; returns that one.
+    fn fail_over(&mut self, primary: u16) -> u16 {
+        match self {
+            Self::Sentinel(set) => {
+                assert_eq!(set.kill_primary(), primary);
+                set.wait_for_failover(primary)
+            }
+            Self::Cluster(cluster) => {
+                cluster.kill(primary);
+                cluster.wait_for_failover(primary)
+            }
+        }
+    }
+
+    /// Starts the killed `old` primary again and waits until `new` has it as an online
+    /// replica.
+    fn bring_back(&mut self, old: u16, new: u16) {
+        match self {
+            Self::Sentinel(set) => set.restart(old),
+            Self::Cluster(cluster) => cluster.restart(old),
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !self
+            .cli(new, &["INFO", "replication"])
+            .contains("state=online")
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the old primary never came back as a replica"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn cli(&self, port: u16, args: &[&str]) -> String {
+        match self {
+            Self::Sentinel(set) => set.cli(port, args),
+            Self::Cluster(cluster) => cluster.cli(port, args),
+        }
+    }
+}
+
+async fn failover_to_no_replica(topology: Topology, best_effort: bool) {
     let (logs, _capturing) = Logs::capture();
-    let mut set = blocking(SentinelSet::start).await;
+    let servers = blocking(move || Servers::start(topology)).await;
     let prefix = unique_prefix("no_replica_left");
-    let mut store = sentinel_store(&set, &prefix, true).await;
+    let mut store = servers.store(&prefix).await;
     if best_effort {
         store = store.replicas_best_effort();
     }
+    let keys = store.clone();
+    let record = move |key: &str| keys.redis_key(&scope("alice", key));
     let instance = serve(Arc::new(store)).await;
     let api = Api::new(instance.addr);
     let executed = || instance.stats.payments.load(Ordering::Relaxed);
 
-    // Completed while the replica acknowledged it.
+    // Completed while the replica acknowledged it, on the primary that will fail.
     let (done_key, done_charge) = (fresh_key(), charge(100));
     let done = api.pay(&done_key, "alice", &done_charge).await;
     done.assert_fresh();
+    let (done_record, on_shard) = (record(&done_key), record.clone());
+    let (servers, old, running_key) = blocking(move || {
+        let old = servers.primary_for(&done_record);
+        let running_key = servers.fresh_key_on(old, on_shard);
+        (servers, old, running_key)
+    })
+    .await;
     // Claimed (and acknowledged) before the failover, completed after it.
-    let running_key = fresh_key();
     let running_ms = ACROSS_FAILOVER.as_millis() as u64;
     let running = api.pay_in_background(&running_key, "alice", &slow_charge(running_ms));
     api.wait_for_payments(2).await;
     let handler_ends = Instant::now() + ACROSS_FAILOVER;
 
-    let (set_back, old, new) = blocking(move || {
-        let old = set.kill_primary();
-        let new = set.wait_for_failover(old);
-        (set, old, new)
+    let on_shard = record.clone();
+    let (servers, new, new_key, later_key) = blocking(move || {
+        let mut servers = servers;
+        let new = servers.fail_over(old);
+        let new_key = servers.fresh_key_on(new, &on_shard);
+        let later_key = servers.fresh_key_on(new, &on_shard);
+        (servers, new, new_key, later_key)
     })
     .await;
-    set = set_back;
 
     // Replays are answered from what their claim read: no replica needed.
     replays_go_on(&api, &done_key, &done_charge, &done).await;
@@ -938,8 +1055,7 @@ async fn failover_to_no_replica(best_effort: bool) {
             "idempotency_key_reused_with_different_params",
         );
 
-    // A new payment's claim is not acknowledged.
-    let new_key = fresh_key();
+    // A new payment's claim, on the shard with no replica, is not acknowledged.
     let fresh = api.pay(&new_key, "alice", &charge(300)).await;
     let unacknowledged = |operation: &str| {
         logs.has("WARN", "not acknowledged by its replicas in time")
@@ -974,24 +1090,13 @@ async fn failover_to_no_replica(best_effort: bool) {
     assert_eq!(executed(), before);
 
     // The old primary comes back as the new one's replica: acknowledgements resume.
-    let set = blocking(move || {
-        set.restart(old);
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while !set
-            .cli(new, &["INFO", "replication"])
-            .contains("state=online")
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the old primary never came back as a replica"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        set
+    let servers = blocking(move || {
+        let mut servers = servers;
+        servers.bring_back(old, new);
+        servers
     })
     .await;
     // (Within moments: the replica may still be catching up when it shows online.)
-    let later_key = fresh_key();
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let later = api.pay(&later_key, "alice", &charge(400)).await;
@@ -1017,7 +1122,7 @@ async fn failover_to_no_replica(best_effort: bool) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     drop(instance);
-    blocking(move || drop(set)).await;
+    blocking(move || drop(servers)).await;
 }
 
 /// Replays of `done` (paid with `key` and `charge`) answered after a failover: once the
@@ -1040,56 +1145,6 @@ async fn replays_go_on(api: &Api, key: &str, charge: &Value, done: &Reply) {
     for _ in 0..10 {
         api.pay(key, "alice", charge).await.assert_replay_of(done);
     }
-}
-
-/// In a cluster, a shard whose master failed over to its only replica: its replays and
-/// mismatches are answered from what their claims read, and its new payments get `503`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs redis-server: scripts/test.sh"]
-async fn in_a_cluster_a_shard_left_with_no_replica_replays_and_refuses_new_claims() {
-    let cluster = blocking(|| RedisCluster::start(3, 1)).await;
-    let prefix = unique_prefix("shard_without_replica");
-    let store = cluster_store(&cluster, &prefix, true).await;
-    let keys = store.clone();
-    let record = move |key: &str| keys.redis_key(&scope("alice", key));
-    let instance = serve(Arc::new(store)).await;
-    let api = Api::new(instance.addr);
-
-    let (done_key, done_charge) = (fresh_key(), charge(100));
-    let done = api.pay(&done_key, "alice", &done_charge).await;
-    done.assert_payment(100, "usd");
-    let done_record = record(&done_key);
-    let (cluster, promoted) = blocking(move || {
-        let mut cluster = cluster;
-        let master = cluster.master_for_key(&done_record);
-        cluster.kill(master);
-        let promoted = cluster.wait_for_failover(master);
-        (cluster, promoted)
-    })
-    .await;
-
-    replays_go_on(&api, &done_key, &done_charge, &done).await;
-    api.pay(&done_key, "alice", &charge(999))
-        .await
-        .assert_error(
-            StatusCode::CONFLICT,
-            "idempotency_key_reused_with_different_params",
-        );
-    // A new payment on the same shard: its claim is not acknowledged.
-    let (cluster, new_key) = blocking(move || loop {
-        let key = fresh_key();
-        if cluster.master_for_key(&record(&key)) == promoted {
-            break (cluster, key);
-        }
-    })
-    .await;
-    api.pay(&new_key, "alice", &charge(300)).await.assert_error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "idempotency_store_unavailable",
-    );
-    assert_eq!(instance.stats.payments.load(Ordering::Relaxed), 1);
-    drop(instance);
-    blocking(move || drop(cluster)).await;
 }
 
 // ---------------------------------------------------------------------------------------
