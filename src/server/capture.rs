@@ -32,8 +32,8 @@ where
     B::Error: fmt::Display,
 {
     let config = &lease.shared().config;
-    let (parts, body) = response.into_parts();
-    let (stored, body, fingerprint, outcome) =
+    let (mut parts, body) = response.into_parts();
+    let (stored, fingerprint, outcome, answer) =
         match buffer_response(body, config.max_response_body).await {
             Buffered::Whole { body, trailers } => {
                 let releases = config.release.releases_whole(
@@ -47,20 +47,25 @@ where
                     let body = ResponseBody::with_trailers(body, trailers);
                     return Response::from_parts(parts, body);
                 }
-                let headers = replayable_headers(&parts.headers, config.replay_set_cookie);
+                let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
+                // The record borrows the response's body, trailers and, when a replay keeps
+                // every one, headers, and hands them back once written: copying them
+                // would cost a map and a body handle per execution.
+                let set_cookie = config.replay_set_cookie;
+                let headers_lent = replays_every_header(&parts.headers, set_cookie);
+                let headers = if headers_lent {
+                    std::mem::take(&mut parts.headers)
+                } else {
+                    replayable_headers(&parts.headers, set_cookie)
+                };
                 let stored = StoredResponse {
                     status: parts.status,
                     headers,
-                    body: body.clone(),
-                    trailers: trailers.clone(),
+                    body,
+                    trailers,
                 };
-                let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
-                (
-                    stored,
-                    ResponseBody::with_trailers(body, trailers),
-                    fingerprint,
-                    RequestOutcome::Executed,
-                )
+                let answer = Answer::Recorded { headers_lent };
+                (stored, fingerprint, RequestOutcome::Executed, answer)
             }
             Buffered::TooLarge { prefix, rest } => {
                 lease.warn(
@@ -73,8 +78,8 @@ where
                 let renderer = config.render_rejections.as_deref();
                 let stored = Rejection::new(reason, endpoint).into_stored(protocol, renderer);
                 // Not the response but a refusal to replay it, to every retry alike.
-                let body = ResponseBody::spliced(prefix, rest);
-                (stored, body, fingerprint, RequestOutcome::NotReplayable)
+                let answer = Answer::Streamed(ResponseBody::spliced(prefix, rest));
+                (stored, fingerprint, RequestOutcome::NotReplayable, answer)
             }
             Buffered::Failed(error) => {
                 tracing::error!(%error, "the response body failed");
@@ -98,7 +103,25 @@ where
         return rejection.into_response(protocol, config.render_rejections.as_deref());
     }
     lease.shared().state.meters.answered(outcome);
+    let body = match answer {
+        Answer::Recorded { headers_lent } => {
+            if headers_lent {
+                parts.headers = stored.headers;
+            }
+            ResponseBody::with_trailers(stored.body, stored.trailers)
+        }
+        Answer::Streamed(body) => body,
+    };
     Response::from_parts(parts, body)
+}
+
+/// What a recorded execution's client gets once the record is written.
+enum Answer<B> {
+    /// The response as recorded: its body and trailers handed back from the record, and
+    /// its headers too where the record took them whole (`headers_lent`).
+    Recorded { headers_lent: bool },
+    /// The response's body as it streams on; the record is a refusal to replay it.
+    Streamed(ResponseBody<B>),
 }
 
 enum Buffered<B: Body> {
@@ -171,23 +194,37 @@ where
     Buffered::Whole { body, trailers }
 }
 
-/// Every header but the hop-by-hop ones (RFC 9110 §7.6.1, and any that `Connection`
-/// names) and `Date`, which belong to one transmission, not to the response; and unless
-/// `set_cookie`, `Set-Cookie`, which belongs to one client's session: a replay goes to
-/// whoever sends the key again.
+/// The headers a replay does not carry: the hop-by-hop ones (RFC 9110 §7.6.1) and `Date`,
+/// which belong to one transmission, not to the response.
+const NOT_REPLAYED: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "date",
+];
+
+/// Whether a replay carries a header named `name` (leaving aside those that `Connection`
+/// names); `Set-Cookie` only if `set_cookie`: it belongs to one client's session, and a
+/// replay goes to whoever sends the key again.
+fn replayed(name: &HeaderName, set_cookie: bool) -> bool {
+    !NOT_REPLAYED.contains(&name.as_str()) && (set_cookie || name != header::SET_COOKIE)
+}
+
+/// Whether a replay carries every one of `headers`, as most responses' are: then the record
+/// can take the map as it is. (One that names others in `Connection` has `Connection`.)
+fn replays_every_header(headers: &HeaderMap, set_cookie: bool) -> bool {
+    headers.keys().all(|name| replayed(name, set_cookie))
+}
+
+/// The headers a replay carries: every one but those [`replayed`] refuses and any that
+/// `Connection` names.
 fn replayable_headers(headers: &HeaderMap, set_cookie: bool) -> HeaderMap {
-    const NOT_REPLAYED: [&str; 10] = [
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "date",
-    ];
     let named_by_connection: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -198,10 +235,7 @@ fn replayable_headers(headers: &HeaderMap, set_cookie: bool) -> HeaderMap {
     // One more than kept: a replay adds its marker without growing the map.
     let mut kept = HeaderMap::with_capacity(headers.len() + 1);
     for (name, value) in headers {
-        if !NOT_REPLAYED.contains(&name.as_str())
-            && !named_by_connection.contains(name)
-            && (set_cookie || name != header::SET_COOKIE)
-        {
+        if replayed(name, set_cookie) && !named_by_connection.contains(name) {
             kept.append(name.clone(), value.clone());
         }
     }
@@ -249,6 +283,17 @@ mod tests {
         );
         // By default a session cookie is not handed to whoever replays.
         assert_eq!(kept(false), pairs(&[("content-type", "application/json")]));
+        // Such a map is copied for the record; one a replay keeps whole is lent to it.
+        assert!(!replays_every_header(&headers, true));
+        let mut plain = HeaderMap::new();
+        plain.append("content-type", HeaderValue::from_static("application/json"));
+        plain.append("location", HeaderValue::from_static("/v1/payments/pay_1"));
+        assert!(replays_every_header(&plain, false));
+        plain.append("set-cookie", HeaderValue::from_static("a=1"));
+        assert!(replays_every_header(&plain, true));
+        assert!(!replays_every_header(&plain, false));
+        plain.append("keep-alive", HeaderValue::from_static("timeout=5"));
+        assert!(!replays_every_header(&plain, true));
     }
 
     #[tokio::test]
