@@ -101,11 +101,8 @@ impl<'a> Node<'a> {
     fn child(&mut self, token: &str) -> Option<&mut Node<'a>> {
         match self {
             Node::Object(members) => {
-                let mut named = members.iter_mut().filter(|(name, _)| name == token);
-                match (named.next(), named.next()) {
-                    (Some((_, value)), None) => Some(value),
-                    _ => None,
-                }
+                let named = members.iter_mut().filter(|(name, _)| name == token);
+                only(named.map(|(_, value)| value)).ok().flatten()
             }
             Node::Array(elements) => json_pointer::index(token).and_then(|i| elements.get_mut(i)),
             _ => None,
@@ -120,11 +117,10 @@ impl<'a> Node<'a> {
         for token in json_pointer::tokens(pointer) {
             node = match node {
                 Node::Object(members) => {
-                    let mut named = members.iter().filter(|(name, _)| *name == token);
-                    match (named.next(), named.next()) {
-                        (Some((_, value)), None) => value,
-                        (None, _) => return Ok(None),
-                        (Some(_), Some(_)) => return Err(Repeated),
+                    let named = members.iter().filter(|(name, _)| *name == token);
+                    match only(named.map(|(_, value)| value))? {
+                        Some(value) => value,
+                        None => return Ok(None),
                     }
                 }
                 Node::Array(elements) => {
@@ -143,6 +139,16 @@ impl<'a> Node<'a> {
 /// An object named a member more than once.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Repeated;
+
+/// The one value of `named` (an object's members of one name): `Ok(None)` when there is
+/// none, an error when there are several.
+fn only<T>(mut named: impl Iterator<Item = T>) -> Result<Option<T>, Repeated> {
+    let first = named.next();
+    if first.is_some() && named.next().is_some() {
+        return Err(Repeated);
+    }
+    Ok(first)
+}
 
 /// Appends `document`'s canonical form to `out`; an error, with `out` left part written,
 /// when an object in it names a member more than once.

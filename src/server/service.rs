@@ -147,7 +147,9 @@ pub(crate) fn principal_of(
     Ok(principal)
 }
 
-/// A keyed request named no principal where one is needed.
+/// A keyed request named no principal where one is needed. A marker, not the refusal
+/// itself: every keyed request returns this `Result`, and a response in it would make it
+/// 160 bytes larger.
 pub(crate) struct PrincipalMissing;
 
 /// A keyed request's future, in the request's span: one no subscriber records is left out,
