@@ -9,12 +9,16 @@
 #   benches/transactional.sh                  # 3 passes, the order rotated each pass
 #   PASSES=5 DURATION=10s benches/transactional.sh
 #   SYNC_STANDBY=1 benches/transactional.sh   # on a primary with a synchronous standby
+#   SYNC_STANDBY=1 STANDBY_DELAY_MS=1 benches/transactional.sh   # the standby 2 ms away
 #
 # By default on the PostgreSQL at $BENCH_DATABASE_SERVER (postgres://postgres@127.0.0.1:5432),
 # in a database of its own, dropped afterwards. With SYNC_STANDBY=1 on a primary and a
 # synchronous standby of its own (initdb, pg_basebackup; free ports, removed afterwards):
 # every commit then waits for the standby's flush, as in a deployment that loses no
-# committed write when it fails over, and a commit costs what it costs there.
+# committed write when it fails over, and a commit costs what it costs there. With
+# STANDBY_DELAY_MS, the standby reaches the primary through benches/delay-proxy.py, which
+# holds the traffic that long each way: a commit then waits a network round trip, as with
+# the standby in another zone. The script prints what a commit takes before the load.
 #
 # Needs ../shared/bench (the harness), wrk, curl, taskset, psql (and the PostgreSQL server
 # binaries for SYNC_STANDBY). Every knob of the harness's run.sh passes through.
@@ -39,6 +43,7 @@ if [ "${SYNC_STANDBY:-0}" = 1 ]; then
   bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)
   bin=${PG_BIN:-$bin}
   cluster=$(mktemp -d)
+  cleanup+=("rm -rf '$cluster'")
   chmod 755 "$cluster"
   [ "$(id -u)" = 0 ] && chown postgres "$cluster"
   primary=$(free_port) standby=$(free_port)
@@ -57,9 +62,16 @@ EOF
   cleanup+=("as_postgres '$bin/pg_ctl' -D '$cluster/primary' -m immediate stop >/dev/null")
   as_postgres "$bin/pg_basebackup" -h 127.0.0.1 -p "$primary" -U postgres -D "$cluster/standby" -R
   echo "port = $standby" >>"$cluster/standby/postgresql.conf"
+  if [ -n "${STANDBY_DELAY_MS:-}" ]; then
+    proxy=$(free_port)
+    python3 "$root/benches/delay-proxy.py" "$proxy" "$primary" "$STANDBY_DELAY_MS" &
+    cleanup+=("kill $!")
+    # The last setting in the file wins: the standby streams through the proxy.
+    echo "primary_conninfo = 'host=127.0.0.1 port=$proxy user=postgres'" \
+      >>"$cluster/standby/postgresql.auto.conf"
+  fi
   as_postgres "$bin/pg_ctl" -D "$cluster/standby" -l "$cluster/standby.log" -w start >/dev/null
   cleanup+=("as_postgres '$bin/pg_ctl' -D '$cluster/standby' -m immediate stop >/dev/null")
-  cleanup+=("rm -rf '$cluster'")
   server=postgres://postgres@127.0.0.1:$primary
   for _ in $(seq 100); do
     state=$(psql "$server/postgres" -Atc "SELECT sync_state FROM pg_stat_replication" || true)
@@ -67,6 +79,11 @@ EOF
     sleep 0.1
   done
   [ "$state" = sync ] || { echo "the standby did not become synchronous" >&2; exit 1; }
+  # One client committing one row after another: what a commit waits for here.
+  psql "$server/postgres" -qc "CREATE TABLE commit_probe (at timestamptz)"
+  echo 'INSERT INTO commit_probe VALUES (now());' >"$cluster/commit.sql"
+  pgbench -n -c 1 -T 3 -f "$cluster/commit.sql" -h 127.0.0.1 -p "$primary" -U postgres postgres |
+    grep -E '^latency average' | sed 's/^/a commit on this primary: /'
 else
   server=${BENCH_DATABASE_SERVER:-postgres://postgres@127.0.0.1:5432}
 fi
