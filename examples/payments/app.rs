@@ -37,10 +37,13 @@ use ledger::{LayerTransaction, Ledger};
 #[cfg(not(feature = "postgres"))]
 type LayerTransaction = ();
 
-/// What the handlers share: the counters, the ledger payments are written to, and the
-/// processor they are charged at.
-#[derive(Clone, FromRef)]
-struct App {
+/// What the handlers share, behind one `Arc`: axum clones the state into every request
+/// (several times over), and a clone is then a count, not a copy of the processor's client.
+#[derive(Clone)]
+struct App(Arc<Shared>);
+
+/// The counters, the ledger payments are written to, and the processor they are charged at.
+struct Shared {
     stats: Arc<Stats>,
     #[cfg(feature = "postgres")]
     ledger: Option<Ledger>,
@@ -164,13 +167,13 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
     // Deliveries carry no `Idempotency-Key` (nor a bearer token: they share the anonymous
     // scope); the sender's event id is the key.
     let webhooks = layer.clone().key_from_json("/id").required();
-    let state = App {
+    let state = App(Arc::new(Shared {
         stats: stats.clone(),
         #[cfg(feature = "postgres")]
         ledger: settings.ledger.clone(),
         #[cfg(feature = "client")]
         processor: settings.processor.as_deref().map(Processor::new),
-    };
+    }));
     let app = Router::new()
         .route(
             "/v1/payments",
@@ -322,7 +325,21 @@ async fn create_payment(
     created(id, "/v1/payments", charge, processor_id.as_deref())
 }
 
-impl App {
+impl std::ops::Deref for App {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+impl FromRef<App> for Arc<Stats> {
+    fn from_ref(app: &App) -> Self {
+        app.stats.clone()
+    }
+}
+
+impl Shared {
     /// Writes payment `id` to the ledger, if there is one; a failure is the answer.
     async fn record(
         &self,
