@@ -101,16 +101,18 @@ impl Lease {
     }
 
     /// Drives `future` to completion, renewing the lease every third of it.
-    pub(crate) async fn renew_while<F: Future>(&self, future: F) -> F::Output {
+    pub(crate) fn renew_while<F: Future>(
+        &self,
+        future: F,
+    ) -> RenewWhile<F, impl Future<Output = Infallible> + '_> {
         // The renewals run beside the handler, never in its way: a slow store delays a
         // renewal, not the handler's next poll. Their schedule starts now, not when first
         // polled, so a handler that blocks its thread finds its renewal overdue.
         let period = self.shared.config.lease / 3;
         let first = Instant::now() + period;
-        tokio::select! {
-            biased;
-            output = future => output,
-            never = self.renew_lease(first, period) => match never {},
+        RenewWhile {
+            future,
+            renewals: self.renew_lease(first, period),
         }
     }
 
@@ -194,7 +196,9 @@ impl Lease {
                 };
             }
         };
-        self.renew_while(retries).await
+        // Boxed: kept in place, this rare path (a timer, the renewals) would make every
+        // execution's future larger.
+        Box::pin(self.renew_while(retries)).await
     }
 
     /// When the claim's lease runs out, as far as this request knows.
@@ -295,6 +299,35 @@ impl Drop for AbandonedClaim<'_> {
             }
         };
         runtime.spawn(releasing.instrument(tracing::Span::current()));
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A future driven to completion while its lease is renewed beside it: polled first,
+    /// then the renewals. A combinator, not an `async fn` with `select!`: that keeps the
+    /// future twice in its state (the argument, and the pair it polls), and every
+    /// execution's future, moved a few times per request, would be larger by a handler's
+    /// future.
+    pub(crate) struct RenewWhile<F, R> {
+        #[pin]
+        future: F,
+        #[pin]
+        renewals: R,
+    }
+}
+
+impl<F: Future, R: Future<Output = Infallible>> Future for RenewWhile<F, R> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        if let Poll::Ready(output) = this.future.poll(cx) {
+            return Poll::Ready(output);
+        }
+        match this.renewals.poll(cx) {
+            Poll::Ready(never) => match never {},
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
