@@ -86,7 +86,10 @@ where
                 Found::Nothing => {
                     drop(parsed);
                     let request = Request::from_parts(parts, ReqBody::rebuilt(body));
-                    return Ok(inner.call(request).await?.map(ResponseBody::inner));
+                    // Boxed: kept in place, the handler's future would make every keyed
+                    // request's future larger.
+                    let response = Box::pin(inner.call(request)).await?;
+                    return Ok(response.map(ResponseBody::inner));
                 }
             },
         };
