@@ -433,6 +433,55 @@ async fn an_exhausted_pool_answers_503_with_retry_after(driver: Driver) {
     assert_eq!(service.rows().await, 2);
 }
 
+/// sqlx's pool pings each idle connection before handing it out, unless told not to; the
+/// store replaces one the server ended while it was idle on its own, so no request meets it.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn sqlx_connections_the_server_ended_while_pooled_are_replaced_unseen() {
+    let url = support::database_url();
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .test_before_acquire(false)
+        .connect(&url)
+        .await
+        .unwrap();
+    let store = PostgresStore::connect(&url).await.unwrap();
+    let store = support::on_own_table(store.transactional_sqlx(pool)).await;
+    let service = Service::on(Driver::Sqlx, store).await;
+    // Three executions at once: each on a connection of its own, pooled when they end.
+    let running: Vec<_> = (0..3)
+        .map(|n| service.spawn(&format!("pooled-{n}"), &[("x-pid", "1"), ("x-wait", "1")]))
+        .collect();
+    let pids = [
+        service.pid_of_execution(1).await,
+        service.pid_of_execution(2).await,
+        service.pid_of_execution(3).await,
+    ];
+    service.orders.gate.add_permits(3);
+    for execution in running {
+        execution.await.unwrap().assert_executed();
+    }
+    // As a restart of the server would: every pooled connection ended.
+    for pid in pids {
+        let sql = "SELECT pg_terminate_backend($1)";
+        let terminated = service.client.query_one(sql, &[&pid]).await.unwrap();
+        assert!(terminated.get::<_, bool>(0));
+    }
+    let live = "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)";
+    for _ in 0..500 {
+        let row = service.client.query_one(live, &[&pids.as_slice()]).await;
+        if row.unwrap().get::<_, i64>(0) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    service
+        .send("after-the-restart", &[])
+        .await
+        .assert_executed();
+    assert_eq!(service.rows().await, 4);
+}
+
 async fn a_backend_terminated_mid_handler_frees_the_key_and_commits_nothing(driver: Driver) {
     let service = Service::new(driver).await;
     // The handler ignores what fails after its insert, and answers 201 regardless.

@@ -18,6 +18,45 @@ impl Sqlx {
     pub(super) fn new(pool: PgPool) -> Self {
         Self { pool }
     }
+
+    /// A transaction on a pooled connection. A connection the server ended while it sat in
+    /// the pool (a restart, `pg_terminate_backend`, a timeout) fails its `BEGIN` having done
+    /// nothing, and sqlx discards it: the next is tried, up to every connection the pool
+    /// holds and one it opens. So a pool that skips sqlx's ping before each acquire
+    /// (`test_before_acquire(false)`: a round trip less while the transaction holds its
+    /// connection) loses no request to a dead connection.
+    async fn begin(
+        &self,
+    ) -> std::result::Result<sqlx::Transaction<'static, Postgres>, sqlx::Error> {
+        let attempts = self.pool.options().get_max_connections().saturating_add(1);
+        let mut attempt = 1;
+        loop {
+            match self.pool.begin().await {
+                Err(failed) if attempt < attempts && ended_by_the_server(&failed) => attempt += 1,
+                begun => return begun,
+            }
+        }
+    }
+}
+
+/// Whether `error` says the server had ended the connection: it was shut down or
+/// terminated (SQLSTATE `57P01`, `57P02`), or the socket was closed under it. Not a refused
+/// connection, which a new one would meet again.
+fn ended_by_the_server(error: &sqlx::Error) -> bool {
+    use std::io::ErrorKind;
+    match error {
+        sqlx::Error::Database(error) => {
+            matches!(error.code().as_deref(), Some("57P01" | "57P02"))
+        }
+        sqlx::Error::Io(error) => matches!(
+            error.kind(),
+            ErrorKind::ConnectionReset
+                | ErrorKind::ConnectionAborted
+                | ErrorKind::BrokenPipe
+                | ErrorKind::UnexpectedEof
+        ),
+        _ => false,
+    }
 }
 
 /// A failure to get a connection changed nothing; any other may have.
@@ -46,7 +85,7 @@ impl Driver for Sqlx {
         claiming: &Claiming<'_>,
         _counted: bool,
     ) -> Result<Begun<Self::Connection>> {
-        let mut transaction = within_begin_timeout("sqlx", self.pool.begin())
+        let mut transaction = within_begin_timeout("sqlx", self.begin())
             .await?
             .map_err(error)?;
         let row: PgRow = sqlx::query(sql)
