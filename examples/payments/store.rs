@@ -108,8 +108,12 @@ async fn sqlx_transactional_store(
 ) -> Result<tower_idempotency::PostgresStore, Box<dyn std::error::Error>> {
     #[cfg(feature = "sqlx")]
     {
+        // No ping before each acquire: it would cost every execution a round trip while its
+        // transaction holds the connection, and the store replaces a connection the server
+        // ended while it was pooled on its own.
         let pool = tower_idempotency::sqlx::postgres::PgPoolOptions::new()
             .max_connections(24)
+            .test_before_acquire(false)
             .connect(url)
             .await?;
         Ok(store.transactional_sqlx(pool))
