@@ -433,6 +433,36 @@ async fn an_exhausted_pool_answers_503_with_retry_after(driver: Driver) {
     assert_eq!(service.rows().await, 2);
 }
 
+/// The store's own pool holds as many transactions at once as it is sized for, not its
+/// default 16, and one more execution finds none.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn the_stores_pool_holds_as_many_transactions_as_it_is_sized_for() {
+    const CONNECTIONS: usize = 18;
+    let store = PostgresStore::connect(&support::database_url())
+        .await
+        .unwrap()
+        .max_connections(CONNECTIONS)
+        .transactional();
+    let store = support::on_own_table(store).await;
+    let service = Service::on(Driver::TokioPostgres, store).await;
+    let running: Vec<_> = (0..CONNECTIONS)
+        .map(|n| service.spawn(&format!("held-{n}"), &[("x-wait", "1")]))
+        .collect();
+    service.until_executing(CONNECTIONS).await;
+    let refused = service.send("one-too-many", &[]).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    service.orders.gate.add_permits(CONNECTIONS);
+    for execution in running {
+        execution.await.unwrap().assert_executed();
+    }
+    assert_eq!(service.rows().await, CONNECTIONS as i64);
+}
+
 /// sqlx's pool pings each idle connection before handing it out, unless told not to; the
 /// store replaces one the server ended while it was idle on its own, so no request meets it.
 #[tokio::test]

@@ -218,7 +218,8 @@ struct Transactional {
 }
 
 impl PostgresStore {
-    /// Connects a pool of up to 16 connections to `url` (`postgres://user@host/db`), using
+    /// Connects a pool of up to 16 connections ([`max_connections`](Self::max_connections)
+    /// changes it) to `url` (`postgres://user@host/db`), using
     /// the table `public.idempotency_keys`. Connections are opened on first use; so is the
     /// one that listens for other instances' completions, when a request first waits for
     /// its original.
@@ -404,6 +405,31 @@ impl PostgresStore {
     /// ```
     pub fn purge_batch(mut self, rows: u32) -> Self {
         self.purge_batch = i64::from(rows.max(1));
+        self
+    }
+
+    /// Lets the store's pool hold up to `connections` (at least one) instead of 16.
+    ///
+    /// Size it for the store calls that run at once: in the
+    /// [`transactional`](Self::transactional) mode each execution holds a connection for
+    /// its handler's whole run, so the pool bounds the executions that run at once, and the
+    /// connections the handler's own writes used before move here. On a store made
+    /// [`new`](Self::new), this resizes the application's pool.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+    /// use tower_idempotency::PostgresStore;
+    /// let store = PostgresStore::connect("postgres://localhost/app")
+    ///     .await?
+    ///     .max_connections(32)
+    ///     .transactional();
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn max_connections(self, connections: usize) -> Self {
+        self.pool.resize(connections.max(1));
         self
     }
 
