@@ -65,7 +65,9 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             store.spawn_purge(Duration::from_secs(3600));
             match transactional {
                 Some(Driver::Sqlx) => store = sqlx_transactional_store(store, &url).await?,
-                Some(Driver::TokioPostgres) => store = store.transactional(),
+                // The ledger's inserts run on the layer's connections now: the store takes
+                // the ledger's 16 too, so both modes hold the same 32 of the database's.
+                Some(Driver::TokioPostgres) => store = store.max_connections(32).transactional(),
                 None => {}
             }
             return Ok(shared(Arc::new(store)));
