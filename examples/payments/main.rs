@@ -45,8 +45,9 @@
 //! payment's own (feature `client`); `PAYMENTS_LEDGER=postgres` writes each payment to
 //! table `payments` in the `DATABASE_URL` database (feature `postgres`);
 //! `IDEMPOTENCY_TRANSACTIONAL=1` runs each execution in a transaction of the `DATABASE_URL`
-//! database, on an sqlx pool (feature `sqlx`; `tokio-postgres` instead of `1`: on the
-//! store's own pool), in which the ledger's row commits with the record;
+//! database, on an sqlx pool of 24 connections, skipping sqlx's ping before each acquire
+//! (feature `sqlx`; `tokio-postgres` instead of `1`: on the store's own pool, given the
+//! ledger's 16 connections for 32), in which the ledger's row commits with the record;
 //! `IDEMPOTENCY_FINGERPRINT=json` fingerprints bodies as canonical JSON (key order and
 //! whitespace do not matter; invalid JSON is fingerprinted raw) instead of their raw bytes,
 //! and `IDEMPOTENCY_FINGERPRINT_IGNORE=/client_ts,/trace_id` leaves those JSON pointers out
