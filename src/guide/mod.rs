@@ -79,6 +79,8 @@ page! {
         | "transaction/struct.InTransaction.html";
     "postgres" "`lock()`" => "crate::transaction::InTransaction::lock"
         | "transaction/struct.InTransaction.html#method.lock";
+    "postgres" "`max_connections(n)`" => "crate::PostgresStore::max_connections"
+        | "store/struct.PostgresStore.html#method.max_connections";
     "sqlx" "`transactional_sqlx(pool)`" => "crate::PostgresStore::transactional_sqlx"
         | "store/struct.PostgresStore.html#method.transactional_sqlx";
     "sqlx" "`SqlxTransaction`" => "crate::transaction::SqlxTransaction"
