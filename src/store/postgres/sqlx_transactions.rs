@@ -24,7 +24,9 @@ impl Sqlx {
     /// nothing, and sqlx discards it: the next is tried, up to every connection the pool
     /// holds and one it opens. So a pool that skips sqlx's ping before each acquire
     /// (`test_before_acquire(false)`: a round trip less while the transaction holds its
-    /// connection) loses no request to a dead connection.
+    /// connection) loses no request to a dead connection. (The tokio-postgres driver needs no
+    /// such retry: its connections are read all the time, so the pool sees one closed and
+    /// replaces it before lending it.)
     async fn begin(
         &self,
     ) -> std::result::Result<sqlx::Transaction<'static, Postgres>, sqlx::Error> {
