@@ -56,22 +56,18 @@ impl Fingerprint {
     ///
     /// Header values count as sent, byte for byte, in order; `Vary: *` names none.
     pub fn varied(self, response: &HeaderMap, request: &HeaderMap) -> Self {
-        self.varied_by(response, |name| request.get_all(name).iter().collect())
+        self.varied_by(response, |name| {
+            let values = request.get_all(name).iter();
+            values.map(HeaderValue::as_bytes).collect()
+        })
     }
 
     /// [`varied`](Self::varied) by the headers a request was sent with.
     pub(crate) fn varied_by_sent(self, response: &HeaderMap, request: &SentHeaders) -> Self {
-        self.varied_by(response, |name| {
-            let named = request.0.iter().filter(|(sent, _)| sent.as_str() == name);
-            named.map(|(_, value)| value).collect()
-        })
+        self.varied_by(response, |name| request.values(name))
     }
 
-    fn varied_by<'r>(
-        self,
-        response: &HeaderMap,
-        values: impl Fn(&str) -> Vec<&'r HeaderValue>,
-    ) -> Self {
+    fn varied_by<'r>(self, response: &HeaderMap, values: impl Fn(&str) -> Vec<&'r [u8]>) -> Self {
         let Some(names) = vary_names(response) else {
             return self;
         };
@@ -87,7 +83,7 @@ impl Fingerprint {
             let values = values(name);
             part(&(values.len() as u64).to_be_bytes());
             for value in values {
-                part(value.as_bytes());
+                part(value);
             }
         }
         Self(hasher.finalize().into())
@@ -105,16 +101,44 @@ impl Fingerprint {
 }
 
 /// A request's headers as sent, kept while its handler runs in case the response turns out
-/// to be negotiated on them. A list: cheaper to copy than the request's map, and read only
-/// when a response has `Vary`.
-pub(crate) struct SentHeaders(Vec<(HeaderName, HeaderValue)>);
+/// to be negotiated on them, and read only when a response has `Vary`. Copied into one
+/// buffer, each name and value after its length: cloning every name and value instead
+/// would touch a shared count twice per header, on every execution.
+pub(crate) struct SentHeaders(Vec<u8>);
 
 impl SentHeaders {
     pub(crate) fn of(headers: &HeaderMap) -> Self {
-        let sent = headers
+        const LENGTHS: usize = 2 * size_of::<u32>();
+        let size = headers
             .iter()
-            .map(|(name, value)| (name.clone(), value.clone()));
-        Self(sent.collect())
+            .map(|(name, value)| LENGTHS + name.as_str().len() + value.as_bytes().len());
+        let mut bytes = Vec::with_capacity(size.sum());
+        for (name, value) in headers {
+            for part in [name.as_str().as_bytes(), value.as_bytes()] {
+                // A header section is far below 4 GiB: hyper refuses one past a few hundred KiB.
+                bytes.extend_from_slice(&(part.len() as u32).to_ne_bytes());
+                bytes.extend_from_slice(part);
+            }
+        }
+        Self(bytes)
+    }
+
+    /// The values sent under `name` (lower-case), in order.
+    fn values(&self, name: &str) -> Vec<&[u8]> {
+        let mut rest = self.0.as_slice();
+        let mut next_part = || {
+            let (length, after) = rest.split_first_chunk::<4>()?;
+            let (part, after) = after.split_at(u32::from_ne_bytes(*length) as usize);
+            rest = after;
+            Some(part)
+        };
+        let mut values = Vec::new();
+        while let (Some(sent), Some(value)) = (next_part(), next_part()) {
+            if sent == name.as_bytes() {
+                values.push(value);
+            }
+        }
+        values
     }
 }
 
@@ -237,6 +261,41 @@ mod tests {
             base.varied(&two, &headers(&[("a", "b")])),
             base.varied(&two, &headers(&[("b", "")]))
         );
+    }
+
+    #[test]
+    fn the_headers_kept_while_a_handler_runs_vary_it_as_the_request_would() {
+        let base = Fingerprint::of(&parts("/a", None), &[], b"body");
+        let sent = headers(&[
+            ("accept-encoding", "gzip"),
+            ("x-other", "1"),
+            ("accept-encoding", "br"),
+            ("accept", ""),
+            ("origin", "https://a.example"),
+        ]);
+        let kept = SentHeaders::of(&sent);
+        for vary in [
+            "accept-encoding",
+            "Origin, Accept",
+            "x-missing",
+            "*",
+            "x-other, origin",
+        ] {
+            let response = headers(&[("vary", vary)]);
+            assert_eq!(
+                base.varied_by_sent(&response, &kept),
+                base.varied(&response, &sent),
+                "{vary}"
+            );
+        }
+        let none = SentHeaders::of(&HeaderMap::new());
+        let response = headers(&[("vary", "accept")]);
+        assert_eq!(
+            base.varied_by_sent(&response, &none),
+            base.varied(&response, &HeaderMap::new())
+        );
+        assert_eq!(kept.values("accept-encoding"), [&b"gzip"[..], b"br"]);
+        assert_eq!(kept.values("accept"), [&b""[..]]);
     }
 
     #[test]
