@@ -103,7 +103,8 @@ where
             Ok(rejection.into_response(protocol(), renderer))
         };
         let token = ClaimToken::unique();
-        let mut claim = lease::claim(&shared, &scope, fingerprint, token).await;
+        let sent = Instant::now();
+        let mut claim = lease::claim(&shared, &scope, fingerprint, token, sent).await;
         // A duplicate of a running request may wait for its outcome (opt-in, bounded).
         let mut waited = false;
         if let Some(bound) = config.wait {
@@ -112,7 +113,10 @@ where
                 .then(|| shared.state.waiters.enter(config.max_waiting))
                 .flatten()
             {
-                let again = || lease::claim(&shared, &scope, fingerprint, token);
+                let again = || {
+                    let sent = Instant::now();
+                    lease::claim(&shared, &scope, fingerprint, token, sent)
+                };
                 let store = &*shared.store;
                 // Boxed: kept in place, this rare path would make every request's future
                 // larger.
@@ -194,10 +198,11 @@ where
             parts.extensions.insert(DerivedKeys::of(&scope));
         }
         shared.store.hand_over(token, &mut parts.extensions);
-        // The clock read once claimed, so that a replay pays nothing for it: the lease
-        // began a round trip earlier, which only lets a write be retried a little past it,
-        // where the fence refuses it anyway.
-        let lease = Lease::new(shared, scope, token, Instant::now());
+        // The lease runs from when its claim was sent, no later than the store applied it;
+        // after waiting, from now, a round trip after the last claim was sent, which only
+        // lets a write be retried a little past the lease, where the fence refuses it.
+        let claimed_at = if waited { Instant::now() } else { sent };
+        let lease = Lease::new(shared, scope, token, claimed_at);
         // Rebuilt only here: a replay or a rejection never needs the request again.
         let request = Request::from_parts(parts, ReqBody::rebuilt(body));
         FinishOnDrop::new(execute(lease, protocol, inner, fingerprint, request)).await
@@ -252,7 +257,7 @@ where
     let asked = SentHeaders::of(request.headers());
     let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
     let started = Instant::now();
-    let called = lease.renew_while(call).await;
+    let called = lease.renew_while(call, started).await;
     let shared = lease.shared();
     shared.state.meters.executed_for(started.elapsed());
     match called {

@@ -29,24 +29,22 @@ use crate::{
 const WRITE_RETRY_FIRST: Duration = Duration::from_millis(25);
 const WRITE_RETRY_MAX: Duration = Duration::from_secs(1);
 
-/// Claims `scope` with `token`, or reads what holds it. A claim whose answer its request
-/// never sees (dropped while in flight, or failed) is released.
+/// Claims `scope` with `token`, sent at `sent` (timed from then), or reads what holds it.
+/// A claim whose answer its request never sees (dropped while in flight, or failed) is
+/// released.
 pub(crate) async fn claim(
     shared: &Arc<Shared>,
     scope: &Scope,
     fingerprint: Fingerprint,
     token: ClaimToken,
+    sent: Instant,
 ) -> store::Result<Claim> {
     let abandoned = AbandonedClaim::arm(shared, scope, token);
-    let started = std::time::Instant::now();
     let claim = shared
         .store
         .claim_with_token(scope, fingerprint, token, shared.config.lease)
         .await;
-    shared
-        .state
-        .meters
-        .stored(Operation::Claim, started, &claim);
+    shared.state.meters.stored(Operation::Claim, sent, &claim);
     if settled(&claim) {
         abandoned.disarm();
     }
@@ -100,16 +98,18 @@ impl Lease {
         &self.scope
     }
 
-    /// Drives `future` to completion, renewing the lease every third of it.
+    /// Drives `future`, begun at `started`, to completion, renewing the lease every third
+    /// of it.
     pub(crate) fn renew_while<F: Future>(
         &self,
         future: F,
+        started: Instant,
     ) -> RenewWhile<F, impl Future<Output = Infallible> + '_> {
         // The renewals run beside the handler, never in its way: a slow store delays a
-        // renewal, not the handler's next poll. Their schedule starts now, not when first
-        // polled, so a handler that blocks its thread finds its renewal overdue.
+        // renewal, not the handler's next poll. Their schedule starts with the future, not
+        // when first polled, so a handler that blocks its thread finds its renewal overdue.
         let period = self.shared.config.lease / 3;
-        let first = Instant::now() + period;
+        let first = started + period;
         RenewWhile {
             future,
             renewals: self.renew_lease(first, period),
@@ -124,7 +124,6 @@ impl Lease {
         loop {
             ticks.tick().await;
             let sent = Instant::now();
-            let started = std::time::Instant::now();
             let extended = self
                 .shared
                 .store
@@ -133,7 +132,7 @@ impl Lease {
             self.shared
                 .state
                 .meters
-                .stored(Operation::Extend, started, &extended);
+                .stored(Operation::Extend, sent, &extended);
             match extended {
                 Ok(Fenced::Applied) => {
                     *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) = sent;
@@ -166,7 +165,7 @@ impl Lease {
     {
         let meters = &self.shared.state.meters;
         // The first attempt goes alone: a store that answers (nearly always) costs no timer.
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let written = write().await;
         meters.stored(operation, started, &written);
         let first = match written {
@@ -187,7 +186,7 @@ impl Lease {
                 );
                 tokio::time::sleep_until(next).await;
                 backoff = (backoff * 2).min(WRITE_RETRY_MAX);
-                let started = std::time::Instant::now();
+                let started = Instant::now();
                 let written = write().await;
                 meters.stored(operation, started, &written);
                 error = match written {
@@ -198,7 +197,7 @@ impl Lease {
         };
         // Boxed: kept in place, this rare path (a timer, the renewals) would make every
         // execution's future larger.
-        Box::pin(self.renew_while(retries)).await
+        Box::pin(self.renew_while(retries, Instant::now())).await
     }
 
     /// When the claim's lease runs out, as far as this request knows.

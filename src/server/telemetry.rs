@@ -8,7 +8,7 @@
 use std::{
     fmt::Write as _,
     sync::{Arc, OnceLock},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use metrics::{Counter, Gauge, Histogram};
@@ -239,11 +239,12 @@ impl Meters {
 
     /// Records a store call begun at `started` that ended with `result`, and counts a lost
     /// fence. (Timed where it is awaited: wrapping the call in a future of its own would
-    /// move the store's future once more per call.)
+    /// move the store's future once more per call. On tokio's clock, the lease's: a claim's
+    /// one reading starts both.)
     pub(crate) fn stored(
         &self,
         operation: Operation,
-        started: Instant,
+        started: tokio::time::Instant,
         result: &impl ReportsStoreResult,
     ) {
         let elapsed = started.elapsed();
