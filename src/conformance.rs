@@ -1151,12 +1151,12 @@ fn trailers_response() -> StoredResponse {
         status: StatusCode::OK,
         headers: headers(&[("content-type", b"application/grpc")]),
         body: Bytes::from_static(b"\x00\x00\x00\x00\x05\xff\x00\x80\x7f\x01"),
-        trailers: Some(headers(&[
+        trailers: Some(Box::new(headers(&[
             ("grpc-status", b"9"),
             ("grpc-message", b"card_declined"),
             ("x-trailer", b"one"),
             ("x-trailer", b"\xff\x80two"),
-        ])),
+        ]))),
     }
 }
 

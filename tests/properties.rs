@@ -112,7 +112,7 @@ proptest! {
             status: StatusCode::from_u16(status).unwrap(),
             headers: map_of(&headers),
             body: Bytes::from(body),
-            trailers: Some(map_of(&trailers)).filter(|t| !t.is_empty()),
+            trailers: Some(Box::new(map_of(&trailers))).filter(|t| !t.is_empty()),
         };
         let completed = Record::Completed { fingerprint, response };
         prop_assert_eq!(Record::decode(completed.encode()).unwrap(), completed);

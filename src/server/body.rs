@@ -53,13 +53,20 @@ impl<B> ResponseBody<B> {
 
     /// A body of `bytes` followed by `trailers` (none when `None` or empty).
     pub fn with_trailers(bytes: impl Into<Bytes>, trailers: Option<HeaderMap>) -> Self {
+        Self::with_boxed_trailers(bytes, trailers.map(Box::new))
+    }
+
+    /// [`with_trailers`](Self::with_trailers) of trailers already boxed, as a record keeps
+    /// them.
+    pub(crate) fn with_boxed_trailers(
+        bytes: impl Into<Bytes>,
+        trailers: Option<Box<HeaderMap>>,
+    ) -> Self {
         Self {
             prefix: Some(bytes.into()),
             rest: None,
             spilled: None,
-            trailers: trailers
-                .filter(|trailers| !trailers.is_empty())
-                .map(Box::new),
+            trailers: trailers.filter(|trailers| !trailers.is_empty()),
         }
     }
 

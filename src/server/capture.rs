@@ -40,11 +40,11 @@ where
                     protocol,
                     parts.status,
                     &parts.headers,
-                    trailers.as_ref(),
+                    trailers.as_deref(),
                 );
                 if releases {
                     lease.release("the response releases the key").await;
-                    let body = ResponseBody::with_trailers(body, trailers);
+                    let body = ResponseBody::with_boxed_trailers(body, trailers);
                     return Response::from_parts(parts, body);
                 }
                 let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
@@ -108,7 +108,7 @@ where
             if headers_lent {
                 parts.headers = stored.headers;
             }
-            ResponseBody::with_trailers(stored.body, stored.trailers)
+            ResponseBody::with_boxed_trailers(stored.body, stored.trailers)
         }
         Answer::Streamed(body) => body,
     };
@@ -127,7 +127,7 @@ enum Answer<B> {
 enum Buffered<B: Body> {
     Whole {
         body: Bytes,
-        trailers: Option<HeaderMap>,
+        trailers: Option<Box<HeaderMap>>,
     },
     TooLarge {
         prefix: Bytes,
@@ -151,7 +151,7 @@ where
     }
     // Most bodies are one frame: keep it without copying.
     let mut first: Option<Bytes> = None;
-    let mut trailers: Option<HeaderMap> = None;
+    let mut trailers: Option<Box<HeaderMap>> = None;
     let mut more = BytesMut::new();
     let mut len = 0;
     while let Some(frame) = body.frame().await {
@@ -160,7 +160,7 @@ where
                 Ok(data) => data,
                 Err(frame) => {
                     if let Ok(more) = frame.into_trailers() {
-                        trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                        trailers.get_or_insert_default().extend(more);
                     }
                     continue;
                 }

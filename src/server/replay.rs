@@ -13,7 +13,10 @@ pub(crate) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
     let mut headers = stored.headers;
     headers.insert(REPLAYED, HeaderValue::from_static("true"));
-    let mut response = Response::new(ResponseBody::with_trailers(stored.body, stored.trailers));
+    let mut response = Response::new(ResponseBody::with_boxed_trailers(
+        stored.body,
+        stored.trailers,
+    ));
     *response.status_mut() = stored.status;
     *response.headers_mut() = headers;
     response

@@ -82,8 +82,10 @@ pub struct StoredResponse {
     pub headers: HeaderMap,
     /// The body bytes.
     pub body: Bytes,
-    /// The trailers that followed the body (gRPC's status lives there), if any.
-    pub trailers: Option<HeaderMap>,
+    /// The trailers that followed the body (gRPC's status lives there), if any. Boxed:
+    /// most responses have none, and every record, claim and cache entry would carry an
+    /// empty map's size.
+    pub trailers: Option<Box<HeaderMap>>,
 }
 
 /// What a store keeps for one key, with its byte encoding ([`encode`](Self::encode)): a
@@ -207,7 +209,7 @@ pub(crate) fn completed_len(response: &StoredResponse) -> usize {
 
 /// The length of what [`put_headers_and_trailers`] writes for `response`.
 pub(crate) fn headers_and_trailers_len(response: &StoredResponse) -> usize {
-    headers_len(&response.headers) + response.trailers.as_ref().map_or(4, headers_len)
+    headers_len(&response.headers) + response.trailers.as_deref().map_or(4, headers_len)
 }
 
 /// The length of what [`put_headers`] writes for `headers`.
@@ -246,10 +248,10 @@ pub(crate) fn put_headers_and_trailers(out: &mut BytesMut, response: &StoredResp
 /// Reads what [`put_headers_and_trailers`] wrote; no trailers, or none, read as `None`.
 pub(crate) fn take_headers_and_trailers(
     bytes: &mut Bytes,
-) -> Result<(HeaderMap, Option<HeaderMap>), DecodeError> {
+) -> Result<(HeaderMap, Option<Box<HeaderMap>>), DecodeError> {
     // Room for one more header: a replay adds its marker without growing the map.
     let headers = take_headers(bytes, 1)?.unwrap_or_else(|| HeaderMap::with_capacity(1));
-    let trailers = take_headers(bytes, 0)?;
+    let trailers = take_headers(bytes, 0)?.map(Box::new);
     Ok((headers, trailers))
 }
 
@@ -354,7 +356,7 @@ mod tests {
                 status: StatusCode::PAYMENT_REQUIRED,
                 headers,
                 body: Bytes::from_static(body),
-                trailers,
+                trailers: trailers.map(Box::new),
             },
         }
     }
