@@ -46,7 +46,7 @@ struct Inner {
 struct Shard {
     /// Each entry boxed: a slot is then a hash, a key and a pointer (40 bytes), where an
     /// entry is 208, and the table, probed and rehashed as it grows by a key per first
-    /// execution, stays a sixth of the size: 3.5 % more first executions a second.
+    /// execution, stays a sixth of the size (measured in BENCHMARKS.md).
     records: Table<String, Box<Entry>>,
     sweep_at_len: usize,
 }
