@@ -93,16 +93,12 @@ where
     if !recorded && lease.shared().store.commits_handler_writes() {
         // The handler's writes were rolled back with the record: its response would tell
         // of what did not happen. The retry executes again.
-        lease
-            .shared()
-            .state
-            .meters
-            .answered(RequestOutcome::StoreUnavailable);
+        lease.shared().answered(RequestOutcome::StoreUnavailable);
         let endpoint = lease.scope().endpoint().to_owned();
         let rejection = Rejection::new(Reason::StoreUnavailable, endpoint);
         return rejection.into_response(protocol, config.render_rejections.as_deref());
     }
-    lease.shared().state.meters.answered(outcome);
+    lease.shared().answered(outcome);
     let body = match answer {
         Answer::Recorded { headers_lent } => {
             if headers_lent {

@@ -69,7 +69,7 @@ where
         let body = match request_body::read_whole(&parts, body, config.max_request_body).await {
             Ok(body) => body,
             Err(reason) => {
-                meters.answered(match reason {
+                shared.answered(match reason {
                     Reason::BodyTooLarge { .. } => RequestOutcome::BodyTooLarge,
                     _ => RequestOutcome::InvalidBody,
                 });
@@ -94,7 +94,7 @@ where
             },
         };
         let scope = scope::of_request(&config.endpoint, &parts, principal.as_ref(), key);
-        telemetry::show_scope(&scope, config.span_key, config.span_principal);
+        telemetry::show_scope(&scope, config);
         let fingerprint = config
             .fingerprint
             .of(&parts, &config.fingerprint_headers, parsed);
@@ -126,7 +126,7 @@ where
                 waited = true;
             }
         }
-        let answered = |outcome| meters.answered(outcome);
+        let answered = |outcome| shared.answered(outcome);
         match claim {
             Ok(Claim::Claimed(_)) => {}
             Ok(Claim::InProgress {

@@ -217,7 +217,7 @@ impl Lease {
                 "could not release the idempotency key within its lease: it frees itself as the lease runs out"
             ),
         }
-        self.shared.state.meters.answered(RequestOutcome::Released);
+        self.shared.answered(RequestOutcome::Released);
     }
 
     async fn give_back(&self) -> store::Result<Fenced> {

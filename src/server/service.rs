@@ -125,7 +125,7 @@ pub(crate) fn refuse_key<B>(
         Reason::KeyRequired => RequestOutcome::KeyMissing,
         _ => RequestOutcome::InvalidKey,
     };
-    shared.state.meters.answered(outcome);
+    shared.answered(outcome);
     shared.config.refuse(reason, parts)
 }
 
@@ -138,10 +138,7 @@ pub(crate) fn principal_of(
     let config = &shared.config;
     let principal = config.principal.0.extract(parts);
     if principal.is_none() && !config.anonymous && !config.unscoped {
-        shared
-            .state
-            .meters
-            .answered(RequestOutcome::PrincipalMissing);
+        shared.answered(RequestOutcome::PrincipalMissing);
         return Err(PrincipalMissing);
     }
     Ok(principal)

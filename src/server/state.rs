@@ -4,7 +4,12 @@
 
 use std::sync::Arc;
 
-use super::{config::Config, in_flight::InFlight, telemetry::Meters, wait::Waiters};
+use super::{
+    config::Config,
+    in_flight::InFlight,
+    telemetry::{Meters, RequestOutcome},
+    wait::Waiters,
+};
 use crate::store::Store;
 
 /// What every service a layer made shares: the store, the layer's settings, and its state.
@@ -13,6 +18,13 @@ pub(crate) struct Shared {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) config: Config,
     pub(crate) state: State,
+}
+
+impl Shared {
+    /// Counts a request's outcome and names it on its span (see [`Meters::answered`]).
+    pub(crate) fn answered(&self, outcome: RequestOutcome) {
+        self.state.meters.answered(outcome, self.config.span_level);
+    }
 }
 
 /// Made once per [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) (or

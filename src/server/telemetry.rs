@@ -17,7 +17,7 @@ use tracing::{Level, Span};
 
 use crate::store::{self, Claim, Fenced};
 
-use super::scope::Scope;
+use super::{config::Config, scope::Scope};
 
 /// What the layer did with a request: the `outcome` label of `idempotency_requests_total`
 /// and the `outcome` field of the request's span.
@@ -215,14 +215,13 @@ impl Meters {
         })
     }
 
-    /// Counts a request's outcome, names it on the request's span, and logs it at a level
-    /// that fits: routine outcomes at `debug`, a client's mistakes at `info`. (The store
-    /// failing and fail-open executions are logged where they happen, at `error` and
-    /// `warn`.)
-    pub(crate) fn answered(&self, outcome: RequestOutcome) {
+    /// Counts a request's outcome, names it on the request's span (made at `span_level`),
+    /// and logs it at a level that fits: routine outcomes at `debug`, a client's mistakes at
+    /// `info`. (The store failing and fail-open executions are logged where they happen, at
+    /// `error` and `warn`.)
+    pub(crate) fn answered(&self, outcome: RequestOutcome, span_level: Level) {
         self.handles().requests[outcome as usize].increment(1);
-        let span = Span::current();
-        if !span.is_disabled() {
+        if let Some(span) = request_span_recorded(span_level) {
             span.record("outcome", outcome.label());
         }
         match outcome {
@@ -335,17 +334,26 @@ pub(crate) fn request_span(level: Level) -> Span {
     }
 }
 
+/// The request's span, the current one, if a subscriber records it. Below the most verbose
+/// level any subscriber takes (`info` in production, the span at `debug`), it is disabled
+/// without looking it up: a lookup per outcome costs more than the check.
+fn request_span_recorded(level: Level) -> Option<Span> {
+    if !tracing::level_enabled!(level) {
+        return None;
+    }
+    Some(Span::current()).filter(|span| !span.is_disabled())
+}
+
 /// Names the request's scope on its span, as configured: digests are made only for a span
 /// some subscriber records.
-pub(crate) fn show_scope(scope: &Scope, key: SpanField, principal: SpanField) {
-    let span = Span::current();
-    if span.is_disabled() {
+pub(crate) fn show_scope(scope: &Scope, config: &Config) {
+    let Some(span) = request_span_recorded(config.span_level) else {
         return;
-    }
+    };
     span.record("endpoint", scope.endpoint());
-    key.show(&span, "key", scope.key().as_str());
+    config.span_key.show(&span, "key", scope.key().as_str());
     if let Some(name) = scope.principal() {
-        principal.show(&span, "principal", name);
+        config.span_principal.show(&span, "principal", name);
     }
 }
 
@@ -439,6 +447,54 @@ mod tests {
             assert!(request_span(Level::DEBUG).is_disabled());
             assert!(!request_span(Level::INFO).is_disabled());
         });
+    }
+
+    /// Writes what a subscriber formats into a buffer the test reads.
+    #[derive(Clone, Default)]
+    struct Written(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Written {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What an `info` subscriber writes of a mismatch answered in a request span made at
+    /// `level`.
+    fn refusal_logged_at_info(level: Level) -> String {
+        let written = Written::default();
+        let writer = written.clone();
+        let info = tracing_subscriber::fmt()
+            .with_max_level(Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(info, || {
+            let span = request_span(level);
+            let _entered = span.enter();
+            Meters::new("memory").answered(RequestOutcome::Mismatch, level);
+        });
+        let logs = written.0.lock().unwrap().clone();
+        String::from_utf8(logs).unwrap()
+    }
+
+    #[test]
+    fn an_outcome_is_named_on_a_span_made_at_a_level_the_subscriber_records() {
+        // Raised to `info`: recorded, outcome and all.
+        let logs = refusal_logged_at_info(Level::INFO);
+        assert!(logs.contains("idempotency{outcome=\"mismatch\"}"), "{logs}");
+        // At its default `debug`, no span: the refusal is logged on its own.
+        let logs = refusal_logged_at_info(Level::DEBUG);
+        assert!(
+            logs.contains("request refused outcome=\"mismatch\""),
+            "{logs}"
+        );
+        assert!(!logs.contains("idempotency{"), "{logs}");
     }
 
     #[test]
