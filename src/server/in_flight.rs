@@ -77,14 +77,20 @@ impl InFlight {
         }
     }
 
-    /// Counts an execution until the returned guard is dropped.
-    /// An execution holding a key, counted here and on `gauge` until dropped.
-    pub(crate) fn enter(&self, gauge: Gauge) -> Execution {
+    /// Counts an execution holding a key, here and on `gauge`, until it has [`left`](Self::left).
+    /// A count, not a guard holding its own handles: the execution's lease already holds
+    /// the layer's state, and cloning two more shared handles per execution would touch
+    /// two more shared counts on the way in and again on the way out.
+    pub(crate) fn entered(&self, gauge: &Gauge) {
         self.executions.count.fetch_add(1, Ordering::AcqRel);
         gauge.increment(1.0);
-        Execution {
-            executions: Arc::clone(&self.executions),
-            gauge,
+    }
+
+    /// An execution counted by [`entered`](Self::entered) let its key go.
+    pub(crate) fn left(&self, gauge: &Gauge) {
+        gauge.decrement(1.0);
+        if self.executions.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.executions.none_left.notify_waiters();
         }
     }
 }
@@ -97,21 +103,6 @@ impl fmt::Debug for InFlight {
     }
 }
 
-/// One execution counted by [`InFlight`].
-pub(crate) struct Execution {
-    executions: Arc<Executions>,
-    gauge: Gauge,
-}
-
-impl Drop for Execution {
-    fn drop(&mut self) {
-        self.gauge.decrement(1.0);
-        if self.executions.count.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.executions.none_left.notify_waiters();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,18 +111,19 @@ mod tests {
     async fn settles_when_the_last_execution_ends() {
         let in_flight = InFlight::default();
         assert!(in_flight.settled(Duration::ZERO).await);
-        let first = in_flight.enter(Gauge::noop());
-        let second = in_flight.enter(Gauge::noop());
+        let gauge = Gauge::noop();
+        in_flight.entered(&gauge);
+        in_flight.entered(&gauge);
         assert_eq!(in_flight.count(), 2);
         assert!(!in_flight.settled(Duration::from_millis(10)).await);
         let waiter = tokio::spawn({
             let in_flight = in_flight.clone();
             async move { in_flight.settled(Duration::from_secs(5)).await }
         });
-        drop(first);
+        in_flight.left(&gauge);
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!waiter.is_finished());
-        drop(second);
+        in_flight.left(&gauge);
         assert!(waiter.await.unwrap());
         assert_eq!(in_flight.count(), 0);
     }

@@ -14,7 +14,6 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::{
-    in_flight::Execution,
     state::Shared,
     telemetry::{Operation, RequestOutcome},
 };
@@ -68,7 +67,6 @@ pub(crate) struct Lease {
     /// When the last claim or renewal that the store applied was sent: the lease runs
     /// until at least this plus the lease.
     renewed: Mutex<Instant>,
-    _in_flight: Execution,
 }
 
 impl Lease {
@@ -80,13 +78,12 @@ impl Lease {
         claimed_at: Instant,
     ) -> Self {
         let state = &shared.state;
-        let in_flight = state.in_flight.enter(state.meters.in_flight());
+        state.in_flight.entered(state.meters.in_flight());
         Self {
             shared,
             scope,
             token,
             renewed: Mutex::new(claimed_at),
-            _in_flight: in_flight,
         }
     }
 
@@ -260,6 +257,13 @@ impl Lease {
 
     pub(crate) fn warn(&self, message: &str) {
         tracing::warn!(token = ?self.token, "{message}");
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let state = &self.shared.state;
+        state.in_flight.left(state.meters.in_flight());
     }
 }
 

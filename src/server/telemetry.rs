@@ -267,8 +267,8 @@ impl Meters {
     }
 
     /// The gauge of executions holding a key.
-    pub(crate) fn in_flight(&self) -> Gauge {
-        self.handles().in_flight.clone()
+    pub(crate) fn in_flight(&self) -> &Gauge {
+        &self.handles().in_flight
     }
 }
 
