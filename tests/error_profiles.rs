@@ -312,8 +312,10 @@ async fn every_rejection_over_http(profile: Profile) {
     let reply = raw_exchange(example.addr(), &malformed_chunk(&fresh_key()), false).await;
     assert_rejection(&reply, profile, Kind::InvalidBody);
 
-    // A body over the default limit.
-    let reply = api.pay_oversized("alice", DEFAULT_LIMIT as usize).await;
+    // A body over the default limit, refused by its declared length before a byte of it is
+    // read: only the head is sent, so that closing with the body unread cannot reset the
+    // connection before the answer is read.
+    let reply = raw_exchange(example.addr(), &oversized_head(&fresh_key()), false).await;
     assert_rejection(
         &reply,
         profile,
@@ -402,6 +404,17 @@ fn truncated_body(key: &str) -> Vec<u8> {
         "POST /v1/payments HTTP/1.1\r\nhost: 127.0.0.1\r\nidempotency-key: {key}\r\n\
          authorization: Bearer alice\r\ncontent-type: application/json\r\n\
          content-length: 100\r\n\r\n{{\"amount\":"
+    )
+    .into_bytes()
+}
+
+/// The head of a `POST /v1/payments` whose declared body is a byte over the default limit.
+fn oversized_head(key: &str) -> Vec<u8> {
+    format!(
+        "POST /v1/payments HTTP/1.1\r\nhost: 127.0.0.1\r\nidempotency-key: {key}\r\n\
+         authorization: Bearer alice\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n",
+        DEFAULT_LIMIT + 1
     )
     .into_bytes()
 }
