@@ -10,7 +10,6 @@ mod support;
 use std::{
     collections::BTreeSet,
     io,
-    net::SocketAddr,
     process::{Child, Command, Stdio},
     sync::{
         atomic::{AtomicUsize, Ordering},
@@ -22,20 +21,14 @@ use axum::body::Body;
 use bytes::Bytes;
 use example_store::PROBLEM_DOCS;
 use http::{header, Response};
-use reqwest::{
-    header::{HeaderMap, HeaderName, HeaderValue},
-    StatusCode,
-};
+use reqwest::StatusCode;
 use serde_json::{json, Value};
 use support::grpc::{self, service::ChargeRequest};
 use support::{
     app::{self, Answer, Handler},
-    payments::{charge, fresh_key, slow_charge, ExampleProcess, Reply, DEADLINE},
+    payments::{charge, fresh_key, slow_charge, ExampleProcess, Reply},
+    raw_http,
     redis_server::RedisServer,
-};
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
 };
 use tonic::{transport::Channel, Code, Status};
 use tower_idempotency::{
@@ -307,15 +300,20 @@ async fn every_rejection_over_http(profile: Profile) {
     assert_rejection(&reply, profile, Kind::InvalidKey);
 
     // A body that ends before its Content-Length, and a malformed chunk.
-    let reply = raw_exchange(example.addr(), &truncated_body(&fresh_key()), true).await;
+    let reply = raw_http::exchange(example.addr(), &truncated_body(&fresh_key()), true).await;
     assert_rejection(&reply, profile, Kind::InvalidBody);
-    let reply = raw_exchange(example.addr(), &malformed_chunk(&fresh_key()), false).await;
+    let reply = raw_http::exchange(example.addr(), &malformed_chunk(&fresh_key()), false).await;
     assert_rejection(&reply, profile, Kind::InvalidBody);
 
     // A body over the default limit, refused by its declared length before a byte of it is
     // read: only the head is sent, so that closing with the body unread cannot reset the
     // connection before the answer is read.
-    let reply = raw_exchange(example.addr(), &oversized_head(&fresh_key()), false).await;
+    let reply = raw_http::exchange(
+        example.addr(),
+        &raw_http::oversized_head(&fresh_key(), DEFAULT_LIMIT),
+        false,
+    )
+    .await;
     assert_rejection(
         &reply,
         profile,
@@ -408,17 +406,6 @@ fn truncated_body(key: &str) -> Vec<u8> {
     .into_bytes()
 }
 
-/// The head of a `POST /v1/payments` whose declared body is a byte over the default limit.
-fn oversized_head(key: &str) -> Vec<u8> {
-    format!(
-        "POST /v1/payments HTTP/1.1\r\nhost: 127.0.0.1\r\nidempotency-key: {key}\r\n\
-         authorization: Bearer alice\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n",
-        DEFAULT_LIMIT + 1
-    )
-    .into_bytes()
-}
-
 /// A chunked `POST /v1/payments` whose second chunk size is not hexadecimal.
 fn malformed_chunk(key: &str) -> Vec<u8> {
     format!(
@@ -428,71 +415,6 @@ fn malformed_chunk(key: &str) -> Vec<u8> {
          a\r\n{{\"amount\":\r\nzz\r\n"
     )
     .into_bytes()
-}
-
-/// Sends `request` as it is over a connection of its own (then shuts down the writing half
-/// if `half_close`), and reads one HTTP/1.1 response with a `Content-Length`.
-async fn raw_exchange(addr: SocketAddr, request: &[u8], half_close: bool) -> Reply {
-    let exchange = async {
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
-        stream.write_all(request).await.expect("send the request");
-        if half_close {
-            stream.shutdown().await.expect("shut down the writing half");
-        }
-        let mut received = Vec::new();
-        loop {
-            if let Some(reply) = parse_response(&received) {
-                return reply;
-            }
-            let mut buffer = [0; 4096];
-            let n = stream.read(&mut buffer).await.expect("read the response");
-            assert!(
-                n > 0,
-                "the connection closed before a whole response: {:?}",
-                String::from_utf8_lossy(&received)
-            );
-            received.extend_from_slice(&buffer[..n]);
-        }
-    };
-    tokio::time::timeout(DEADLINE, exchange)
-        .await
-        .expect("a response in time")
-}
-
-/// A whole response in `bytes`, or `None` while it is incomplete.
-fn parse_response(bytes: &[u8]) -> Option<Reply> {
-    let end = bytes.windows(4).position(|w| w == b"\r\n\r\n")?;
-    let head = std::str::from_utf8(&bytes[..end]).expect("an ASCII response head");
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().expect("a status line");
-    let status = status_line
-        .strip_prefix("HTTP/1.1 ")
-        .and_then(|rest| rest.get(..3))
-        .and_then(|code| code.parse::<u16>().ok())
-        .unwrap_or_else(|| panic!("not an HTTP/1.1 status line: {status_line:?}"));
-    let mut headers = HeaderMap::new();
-    for line in lines {
-        let (name, value) = line
-            .split_once(':')
-            .unwrap_or_else(|| panic!("not a header line: {line:?}"));
-        headers.append(
-            HeaderName::from_bytes(name.trim().as_bytes()).expect("a header name"),
-            HeaderValue::from_str(value.trim()).expect("a header value"),
-        );
-    }
-    let length: usize = headers
-        .get("content-length")
-        .expect("a Content-Length")
-        .to_str()
-        .expect("an ASCII Content-Length")
-        .parse()
-        .expect("a Content-Length in bytes");
-    let body = bytes.get(end + 4..end + 4 + length)?;
-    Some(Reply {
-        status: StatusCode::from_u16(status).expect("a status"),
-        headers,
-        body: body.to_vec(),
-    })
 }
 
 // ---------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ use support::payments::{
     assert_id, charge, eventually, fresh_key, header, raw_header, raw_payment, slow_charge, Api,
     ExampleProcess, Stats,
 };
+use support::raw_http;
 use tokio::{
     io::AsyncWriteExt,
     net::{TcpListener, TcpStream},
@@ -317,10 +318,10 @@ async fn invalid_keys_are_rejected_without_execution(store: Arc<dyn Store>) {
 async fn oversized_body_claims_nothing(store: Arc<dyn Store>) {
     let (api, _server) = serve(store).await;
     let key = fresh_key();
-    let padding = "x".repeat(MAX_REQUEST_BODY);
-    let oversized = json!({ "amount": 100, "currency": "usd", "padding": padding });
 
-    let reply = api.pay(&key, "alice", &oversized).await;
+    // Only the head: the body it declares would be left unread (see `oversized_head`).
+    let head = raw_http::oversized_head(&key, MAX_REQUEST_BODY as u64);
+    let reply = raw_http::exchange(api.addr(), &head, false).await;
     let body = reply.assert_error(StatusCode::PAYLOAD_TOO_LARGE, "request_body_too_large");
     assert_eq!(body["limit"], MAX_REQUEST_BODY, "{reply:?}");
     assert_eq!(api.stats().await.payments_executed, 0);

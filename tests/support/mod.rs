@@ -9,6 +9,7 @@ pub mod grpc;
 pub mod logs;
 pub mod lossy_proxy;
 pub mod payments;
+pub mod raw_http;
 pub mod redis_server;
 pub mod redis_topology;
 
