@@ -8,6 +8,12 @@
 #
 #   benches/server-instructions.sh                       # this tree, first and replay
 #   benches/server-instructions.sh path/to/payments ...  # other builds of the example
+#   CACHE=1 benches/server-instructions.sh ...           # with first-level cache misses
+#
+# With CACHE=1, callgrind also simulates the caches (32 KiB first-level caches here), and
+# the counts start after a warm-up (counters zeroed), so start-up is left out: per request,
+# instructions, instruction-cache misses and data-cache misses (reads and writes). A build
+# can count as many instructions as another and still miss the caches more often.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 harness=${HARNESS:-$root/../shared/bench}
@@ -24,11 +30,18 @@ pay() { # key
   curl -s -o /dev/null -X POST "http://$addr/v1/payments" -H 'Content-Type: application/json' \
     -H "Idempotency-Key: $1" -H 'Authorization: Bearer bench' --data '{"amount":1000,"currency":"usd"}'
 }
-printf '%-10s %10s %s\n' workload instr/req build
+cache=${CACHE:-0}
+sim=()
+if [ "$cache" = 1 ]; then
+  sim=(--cache-sim=yes)
+  printf '%-10s %10s %10s %10s %s\n' workload instr/req I1miss/req D1miss/req build
+else
+  printf '%-10s %10s %s\n' workload instr/req build
+fi
 for bin in "${bins[@]}"; do
   for workload in first replay; do
     env -u REDIS_URL -u DATABASE_URL -u RUST_LOG PAYMENTS_STATS=payments PAYMENTS_ADDR=$addr \
-      valgrind --tool=callgrind --callgrind-out-file="$out/callgrind.out" "$bin" \
+      valgrind --tool=callgrind "${sim[@]}" --callgrind-out-file="$out/callgrind.out" "$bin" \
       >"$out/server.log" 2>&1 &
     server=$!
     for _ in $(seq 200); do curl -s -o /dev/null "http://$addr/v1/stats" && break; sleep 0.1; done
@@ -37,10 +50,29 @@ for bin in "${bins[@]}"; do
       for i in $(seq 100); do pay "$(printf '00000000-0000-4000-8000-%012d' "$i")"; done
       args="100 0 bench" warmed=100
     fi
+    if [ "$cache" = 1 ]; then
+      # Warm up, then count only what follows.
+      wrk -t1 -c8 -d2s -s "$harness/$workload.lua" "http://$addr" -- $args >/dev/null
+      callgrind_control -z "$server" >/dev/null 2>&1
+      warmed=0
+    fi
     requests=$(wrk -t1 -c8 -d"${DURATION:-8s}" -s "$harness/$workload.lua" "http://$addr" -- $args |
       sed -n 's/^ *\([0-9]*\) requests in.*/\1/p')
+    if [ "$cache" = 1 ]; then
+      callgrind_control -d "$server" >/dev/null 2>&1
+      sleep 0.5
+    fi
     kill -INT "$server"; wait "$server" || true
-    total=$(sed -n 's/^summary: *\([0-9]*\).*/\1/p' "$out/callgrind.out")
-    printf '%-10s %10d %s\n' "$workload" $((total / (requests + warmed))) "$bin"
+    if [ "$cache" = 1 ]; then
+      # The dump's summary: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw.
+      read -r ir _ _ i1 d1r d1w _ < <(sed -n 's/^summary: *//p' "$(ls "$out"/callgrind.out.* | head -1)")
+      per=$((requests + warmed))
+      printf '%-10s %10d %10d %10d %s\n' "$workload" $((ir / per)) $((i1 / per)) \
+        $(((d1r + d1w) / per)) "$bin"
+      rm -f "$out"/callgrind.out*
+    else
+      total=$(sed -n 's/^summary: *\([0-9]*\).*/\1/p' "$out/callgrind.out")
+      printf '%-10s %10d %s\n' "$workload" $((total / (requests + warmed))) "$bin"
+    fi
   done
 done
