@@ -150,20 +150,17 @@ pub(crate) fn principal_of(
 pub(crate) struct PrincipalMissing;
 
 /// A keyed request's future, in the request's span: one no subscriber records is left out,
-/// since entering it on every poll costs. Below every subscriber's level it is not even
-/// made: a disabled span still reads its callsite, and with tracing's `log` feature (on in
-/// axum's defaults) the `log` crate's level, as it is made and as it is dropped.
+/// since entering it on every poll costs.
 fn instrumented<P, B, E, F>(config: &Config, keyed: F) -> ResponseFuture<P, B, E>
 where
     F: std::future::Future<Output = Result<Response<ResponseBody<B>>, E>> + Send + 'static,
 {
-    if tracing::level_enabled!(config.span_level) {
-        let span = telemetry::request_span(config.span_level);
-        if !span.is_disabled() {
-            return ResponseFuture::keyed(Box::pin(keyed.instrument(span)));
-        }
+    let span = telemetry::request_span(config.span_level);
+    if span.is_disabled() {
+        ResponseFuture::keyed(Box::pin(keyed))
+    } else {
+        ResponseFuture::keyed(Box::pin(keyed.instrument(span)))
     }
-    ResponseFuture::keyed(Box::pin(keyed))
 }
 
 /// The answer to a keyed request that names no principal on a route that allows no

@@ -310,8 +310,14 @@ impl SpanField {
 }
 
 /// The span of a keyed request, before its scope is known: `idempotency`, at `level`, with
-/// its endpoint, key, principal and outcome filled in as they become known.
+/// its endpoint, key, principal and outcome filled in as they become known. Below every
+/// subscriber's level, no span at all: a disabled one still reads its callsite, and with
+/// tracing's `log` feature (on in axum's defaults) the `log` crate's level, as it is made
+/// and as it is dropped.
 pub(crate) fn request_span(level: Level) -> Span {
+    if !tracing::level_enabled!(level) {
+        return Span::none();
+    }
     // `span!` takes its level as a constant: one call per level.
     macro_rules! request_span {
         ($level:expr) => {
