@@ -81,23 +81,6 @@ impl Api {
             .await
     }
 
-    /// `POST /v1/payments` with a fresh key, as `user`, whose body is over the layer's
-    /// default limit of `limit` bytes; the connection closes after it. The server answers
-    /// before reading the body and then closes with the body unread, which resets the
-    /// connection: `None` when the reset came before the client read the answer (the
-    /// server counted and answered the request all the same).
-    pub async fn pay_oversized(&self, user: &str, limit: usize) -> Option<Reply> {
-        let padding = "x".repeat(limit);
-        let oversized = serde_json::json!({ "amount": 100, "currency": "usd", "padding": padding });
-        self.post("/v1/payments")
-            .key(&fresh_key())
-            .user(user)
-            .json(&oversized)
-            .closing()
-            .try_send()
-            .await
-    }
-
     /// [`Api::pay`] in a task of its own.
     pub fn pay_in_background(&self, key: &str, user: &str, charge: &Value) -> JoinHandle<Reply> {
         let (api, key, user, charge) = (
