@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::{
+    future::boxed_in_place,
     state::Shared,
     telemetry::{Operation, RequestOutcome},
 };
@@ -351,9 +352,11 @@ impl<F: Future + Send + 'static> FinishOnDrop<F>
 where
     F::Output: Send,
 {
-    pub(crate) fn new(execution: F) -> Self {
+    /// The execution `make` makes, made in its box.
+    #[inline(always)]
+    pub(crate) fn new(make: impl FnOnce() -> F) -> Self {
         Self {
-            execution: Some(Box::pin(execution)),
+            execution: Some(boxed_in_place(make)),
             span: tracing::Span::current(),
         }
     }

@@ -20,7 +20,7 @@ use super::{
     body::ResponseBody,
     config::Config,
     execute,
-    future::ResponseFuture,
+    future::{boxed_in_place, ResponseFuture},
     principal::Principal,
     rejection::Reason,
     request_body::{BoxError, HandOnBody},
@@ -78,8 +78,10 @@ where
         if config.body_key.is_some() {
             // The key is in the body: looked for once it is read.
             let inner = take_ready(&mut self.inner);
-            let keyed = execute::keyed(inner, shared.clone(), None, request.into_parts());
-            return instrumented(config, keyed);
+            let shared = shared.clone();
+            return instrumented(config, || {
+                execute::keyed(inner, shared, None, request.into_parts())
+            });
         }
         let key = match IdempotencyKey::from_header_values(
             request.headers().get_all(&config.header_name),
@@ -103,8 +105,10 @@ where
         let Ok(principal) = principal_of(shared, &parts) else {
             return ResponseFuture::answered(refuse_anonymous(config, &parts));
         };
-        let keyed = execute::keyed(inner, shared.clone(), Some((principal, key)), (parts, body));
-        instrumented(config, keyed)
+        let shared = shared.clone();
+        instrumented(config, || {
+            execute::keyed(inner, shared, Some((principal, key)), (parts, body))
+        })
     }
 }
 
@@ -149,17 +153,18 @@ pub(crate) fn principal_of(
 /// 160 bytes larger.
 pub(crate) struct PrincipalMissing;
 
-/// A keyed request's future, in the request's span: one no subscriber records is left out,
-/// since entering it on every poll costs.
-fn instrumented<P, B, E, F>(config: &Config, keyed: F) -> ResponseFuture<P, B, E>
+/// A keyed request's future, made in its box, in the request's span: one no subscriber
+/// records is left out, since entering it on every poll costs.
+#[inline(always)]
+fn instrumented<P, B, E, F>(config: &Config, keyed: impl FnOnce() -> F) -> ResponseFuture<P, B, E>
 where
     F: std::future::Future<Output = Result<Response<ResponseBody<B>>, E>> + Send + 'static,
 {
     let span = telemetry::request_span(config.span_level);
     if span.is_disabled() {
-        ResponseFuture::keyed(Box::pin(keyed))
+        ResponseFuture::keyed(boxed_in_place(keyed))
     } else {
-        ResponseFuture::keyed(Box::pin(keyed.instrument(span)))
+        ResponseFuture::keyed(boxed_in_place(|| keyed().instrument(span)))
     }
 }
 
