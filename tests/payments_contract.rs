@@ -377,6 +377,57 @@ async fn example_binary_serves_and_replays() {
     assert_eq!(api.stats().await.payments_executed, 1);
 }
 
+/// The example reads a plain `application/json` charge itself and hands every other type to
+/// axum's `Json` or `Form`: each body is answered as axum's `Json` answers it, whichever way
+/// it was read.
+#[tokio::test]
+async fn charge_bodies_are_read_as_axum_json_reads_them() {
+    let (api, _server) = serve(Arc::new(tower_idempotency::MemoryStore::new())).await;
+    let send = |content_type: &str, body| {
+        let post = api.post("/v1/payments").key(&fresh_key()).user("alice");
+        post.typed(content_type, body).send()
+    };
+    let charge = r#"{"amount": 1999, "currency": "usd"}"#;
+    for plain in [
+        "application/json",
+        "Application/JSON",
+        "application/json; charset=utf-8",
+    ] {
+        send(plain, charge).await.assert_payment(1999, "usd");
+    }
+    // Read by axum's own extractor.
+    send("application/merchant+json", charge)
+        .await
+        .assert_payment(1999, "usd");
+    for refused in ["text/plain", "application/jsonx"] {
+        let reply = send(refused, charge).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "{refused}"
+        );
+    }
+    // Bad bodies: the same answer read either way, byte for byte.
+    for (body, status) in [
+        (r#"{"amount": 1999, "#, StatusCode::BAD_REQUEST),
+        (
+            r#"{"amount": "lots", "currency": "usd"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (r#"{"currency": "usd"}"#, StatusCode::UNPROCESSABLE_ENTITY),
+    ] {
+        let ours = send("application/json", body).await;
+        let axums = send("application/merchant+json", body).await;
+        assert_eq!(ours.status, status, "{body}: {ours:?}");
+        assert_eq!(
+            (ours.status, &ours.body),
+            (axums.status, &axums.body),
+            "{body}"
+        );
+    }
+    assert_eq!(api.stats().await.payments_executed, 4);
+}
+
 /// `PAYMENTS_STATS=payments` serves load harnesses that read one number from the stats.
 #[tokio::test]
 async fn example_binary_can_report_the_payments_counter_alone() {

@@ -197,6 +197,13 @@ impl Post {
         }
     }
 
+    /// Sends `body` as `content_type`.
+    pub fn typed(self, content_type: &str, body: &'static str) -> Self {
+        Self {
+            request: self.request.header(CONTENT_TYPE, content_type).body(body),
+        }
+    }
+
     /// Sends `body` as it is.
     pub fn body(self, body: &'static str) -> Self {
         Self {
