@@ -108,10 +108,13 @@ pub(crate) struct SentHeaders(Vec<u8>);
 
 impl SentHeaders {
     pub(crate) fn of(headers: &HeaderMap) -> Self {
-        const LENGTHS: usize = 2 * size_of::<u32>();
+        // Room for the lengths, the values and a name of up to 24 bytes each: enough for
+        // nearly every header section without a second pass to measure the names (a
+        // standard name's text is a table lookup, which misses the cache).
+        const ALLOWANCE: usize = 2 * size_of::<u32>() + 24;
         let size = headers
             .iter()
-            .map(|(name, value)| LENGTHS + name.as_str().len() + value.as_bytes().len());
+            .map(|(_, value)| ALLOWANCE + value.as_bytes().len());
         let mut bytes = Vec::with_capacity(size.sum());
         for (name, value) in headers {
             for part in [name.as_str().as_bytes(), value.as_bytes()] {
