@@ -180,7 +180,7 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
                     self.counters().hits.increment(1);
                     return Ok(Claim::Completed {
                         fingerprint: cached.fingerprint,
-                        response: cached.response.clone(),
+                        response: cached.response.replayable_copy(),
                         expires_in: Some(cached.expires_at - now),
                     });
                 }

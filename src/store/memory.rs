@@ -203,7 +203,7 @@ impl Store for MemoryStore {
                     response,
                 } => Claim::Completed {
                     fingerprint: *fingerprint,
-                    response: response.clone(),
+                    response: response.replayable_copy(),
                     expires_in: Some(entry.expires_at - now),
                 },
             });
@@ -247,7 +247,7 @@ impl Store for MemoryStore {
                 drop(shard);
                 let completed = || Claim::Completed {
                     fingerprint,
-                    response: response.clone(),
+                    response: response.replayable_copy(),
                     expires_in: Some(ttl),
                 };
                 let key = scope.storage_key();

@@ -88,6 +88,32 @@ pub struct StoredResponse {
     pub trailers: Option<Box<HeaderMap>>,
 }
 
+/// The headers a replay adds on its way out: its mark, then the server's `Content-Length`.
+/// Maps a replay starts from leave room for them, so that neither grows the map: hyper
+/// reuses a response's map to parse the next request on its connection, where a map grown
+/// from an exact fit grows once more.
+const REPLAY_ROOM: usize = 2;
+
+impl StoredResponse {
+    /// A copy to replay: as `clone`, but its headers in a map with room for the headers a
+    /// replay adds, in the same order. For stores that keep records in memory and answer
+    /// each claim with a copy (a cloned map has no room to spare).
+    pub(crate) fn replayable_copy(&self) -> Self {
+        let mut headers = HeaderMap::with_capacity(self.headers.len() + REPLAY_ROOM);
+        headers.extend(
+            self.headers
+                .iter()
+                .map(|(name, value)| (name.clone(), value.clone())),
+        );
+        Self {
+            status: self.status,
+            headers,
+            body: self.body.clone(),
+            trailers: self.trailers.clone(),
+        }
+    }
+}
+
 /// What a store keeps for one key, with its byte encoding ([`encode`](Self::encode)): a
 /// claim in progress, or a completed request and the [`StoredResponse`] that replays it.
 /// Stores that keep records as bytes use it; a store answers
@@ -249,8 +275,9 @@ pub(crate) fn put_headers_and_trailers(out: &mut BytesMut, response: &StoredResp
 pub(crate) fn take_headers_and_trailers(
     bytes: &mut Bytes,
 ) -> Result<(HeaderMap, Option<Box<HeaderMap>>), DecodeError> {
-    // Room for one more header: a replay adds its marker without growing the map.
-    let headers = take_headers(bytes, 1)?.unwrap_or_else(|| HeaderMap::with_capacity(1));
+    // Room for the headers a replay adds, without growing the map.
+    let headers =
+        take_headers(bytes, REPLAY_ROOM)?.unwrap_or_else(|| HeaderMap::with_capacity(REPLAY_ROOM));
     let trailers = take_headers(bytes, 0)?.map(Box::new);
     Ok((headers, trailers))
 }
