@@ -169,36 +169,21 @@ impl Post {
 
     /// Sends `body` as JSON.
     pub fn json(self, body: &Value) -> Self {
-        Self {
-            request: self
-                .request
-                .header(CONTENT_TYPE, "application/json")
-                .body(body.to_string()),
-        }
+        self.typed("application/json", body.to_string())
     }
 
     /// Sends `body` as `application/x-www-form-urlencoded` (`amount=1999&currency=usd`).
     pub fn form(self, body: &'static str) -> Self {
-        Self {
-            request: self
-                .request
-                .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
-                .body(body),
-        }
+        self.typed("application/x-www-form-urlencoded", body)
     }
 
     /// Sends `body`, spelled as it is, as JSON.
     pub fn json_text(self, body: impl Into<String>) -> Self {
-        Self {
-            request: self
-                .request
-                .header(CONTENT_TYPE, "application/json")
-                .body(body.into()),
-        }
+        self.typed("application/json", body.into())
     }
 
     /// Sends `body` as `content_type`.
-    pub fn typed(self, content_type: &str, body: &'static str) -> Self {
+    pub fn typed(self, content_type: &str, body: impl Into<reqwest::Body>) -> Self {
         Self {
             request: self.request.header(CONTENT_TYPE, content_type).body(body),
         }
