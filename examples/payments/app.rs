@@ -238,8 +238,7 @@ impl<S: Send + Sync> FromRequest<S> for ChargeBody {
                 .headers()
                 .get(header::CONTENT_TYPE)
                 .and_then(|value| value.to_str().ok());
-            let form = content_type
-                .is_some_and(|value| value.starts_with("application/x-www-form-urlencoded"));
+            let form = |value: &str| value.starts_with("application/x-www-form-urlencoded");
             let charge = if content_type.is_some_and(plain_json) {
                 let bytes = Bytes::from_request(request, state)
                     .await
@@ -247,7 +246,7 @@ impl<S: Send + Sync> FromRequest<S> for ChargeBody {
                 Json::<Charge>::from_bytes(&bytes)
                     .map_err(IntoResponse::into_response)?
                     .0
-            } else if form {
+            } else if content_type.is_some_and(form) {
                 Box::pin(Form::<Charge>::from_request(request, state))
                     .await
                     .map_err(IntoResponse::into_response)?
