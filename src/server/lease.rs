@@ -29,7 +29,8 @@ use crate::{
 const WRITE_RETRY_FIRST: Duration = Duration::from_millis(25);
 const WRITE_RETRY_MAX: Duration = Duration::from_secs(1);
 
-/// Claims `scope` with `token`, sent at `sent` (timed from then), or reads what holds it.
+/// Claims `scope` with `token`, sent at `sent` (timed from then), or reads what holds it;
+/// with when the answer came, which starts an execution without reading the clock again.
 /// A claim whose answer its request never sees (dropped while in flight, or failed) is
 /// released.
 pub(crate) async fn claim(
@@ -38,17 +39,17 @@ pub(crate) async fn claim(
     fingerprint: Fingerprint,
     token: ClaimToken,
     sent: Instant,
-) -> store::Result<Claim> {
+) -> (store::Result<Claim>, Instant) {
     let abandoned = AbandonedClaim::arm(shared, scope, token);
     let claim = shared
         .store
         .claim_with_token(scope, fingerprint, token, shared.config.lease)
         .await;
-    shared.state.meters.stored(Operation::Claim, sent, &claim);
+    let answered = shared.state.meters.stored(Operation::Claim, sent, &claim);
     if settled(&claim) {
         abandoned.disarm();
     }
-    claim
+    (claim, answered)
 }
 
 /// Whether a claim's outcome is known. One that failed (a timeout, a dropped connection)

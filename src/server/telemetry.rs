@@ -237,16 +237,17 @@ impl Meters {
     }
 
     /// Records a store call begun at `started` that ended with `result`, and counts a lost
-    /// fence. (Timed where it is awaited: wrapping the call in a future of its own would
-    /// move the store's future once more per call. On tokio's clock, the lease's: a claim's
-    /// one reading starts both.)
+    /// fence; returns when the answer was seen, for whatever starts next. (Timed where it is
+    /// awaited: wrapping the call in a future of its own would move the store's future once
+    /// more per call. On tokio's clock, the lease's: a claim's one reading starts both.)
     pub(crate) fn stored(
         &self,
         operation: Operation,
         started: tokio::time::Instant,
         result: &impl ReportsStoreResult,
-    ) {
-        let elapsed = started.elapsed();
+    ) -> tokio::time::Instant {
+        let answered = tokio::time::Instant::now();
+        let elapsed = answered - started;
         let answer = result.store_result();
         let handles = self.handles();
         handles.operations[operation as usize][answer as usize].record(elapsed);
@@ -259,6 +260,7 @@ impl Meters {
             ?elapsed,
             "idempotency store"
         );
+        answered
     }
 
     /// Records how long a handler ran.
