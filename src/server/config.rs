@@ -91,11 +91,13 @@ impl Default for Config {
 impl Config {
     /// The layer's answer to a request it refuses before its scope is built: for its key,
     /// its principal or its body.
+    #[cold]
     pub(crate) fn refuse<B>(&self, reason: Reason, parts: &Parts) -> Response<ResponseBody<B>> {
         self.refuse_at(reason, parts, scope::endpoint_of(&self.endpoint, parts))
     }
 
     /// [`refuse`](Self::refuse) with the request's endpoint already named.
+    #[cold]
     pub(crate) fn refuse_at<B>(
         &self,
         reason: Reason,

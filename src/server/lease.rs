@@ -257,6 +257,7 @@ impl Lease {
         false
     }
 
+    #[cold]
     pub(crate) fn warn(&self, message: &str) {
         tracing::warn!(token = ?self.token, "{message}");
     }

@@ -120,6 +120,7 @@ fn take_ready<S: Clone>(inner: &mut S) -> S {
 
 /// The answer to a request whose key is missing on a required route
 /// ([`Reason::KeyRequired`]) or invalid ([`Reason::InvalidKey`]), counted.
+#[cold]
 pub(crate) fn refuse_key<B>(
     shared: &Shared,
     reason: Reason,
@@ -171,6 +172,7 @@ where
 /// The answer to a keyed request that names no principal on a route that allows no
 /// anonymous requests. The first one logs an error naming the fix; the rest, a debug line
 /// (each is also counted: `idempotency_requests_total{outcome="principal_missing"}`).
+#[cold]
 pub(crate) fn refuse_anonymous<ResBody>(
     config: &Config,
     parts: &Parts,

@@ -395,6 +395,7 @@ impl Rejection {
         response
     }
 
+    #[cold]
     pub(crate) fn into_response<B>(
         self,
         protocol: Protocol,
@@ -404,6 +405,7 @@ impl Rejection {
     }
 
     /// The rejection as a record, for answers that every retry must get.
+    #[cold]
     pub(crate) fn into_stored(
         self,
         protocol: Protocol,
