@@ -102,8 +102,8 @@ where
             let rejection = Rejection::new(reason, scope.endpoint().to_owned());
             Ok(rejection.into_response(protocol(), renderer))
         };
-        let token = ClaimToken::unique();
         let sent = Instant::now();
+        let token = ClaimToken::unique_at(sent.into_std());
         let (mut claim, mut answered_at) =
             lease::claim(&shared, &scope, fingerprint, token, sent).await;
         // A duplicate of a running request may wait for its outcome (opt-in, bounded).

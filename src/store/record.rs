@@ -3,7 +3,7 @@
 use std::{
     cell::Cell,
     fmt,
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -25,12 +25,42 @@ impl ClaimToken {
     /// random 64-bit start. Two tokens collide only if two threads' counts meet within the
     /// same millisecond, without a random draw per claim.
     pub fn unique() -> Self {
+        Self::issued(unix_millis(SystemTime::now()))
+    }
+
+    /// A token no other claim holds, as [`unique`](Self::unique), issued at `now`: a
+    /// reading of the monotonic clock its caller took anyway. The wall-clock time comes
+    /// from this thread's last reading of the system clock, taken again once it is a
+    /// second old: one clock reading fewer for every keyed request, and a time that is at
+    /// most that second off (the system clock stepped meanwhile), as good for
+    /// [`age`](Self::age), which counts in seconds of a lease.
+    pub(crate) fn unique_at(now: Instant) -> Self {
+        const REREAD: Duration = Duration::from_secs(1);
+        thread_local! {
+            static WALL: Cell<Option<(Instant, u64)>> = const { Cell::new(None) };
+        }
+        let millis = WALL.with(|wall| {
+            let derived = wall.get().and_then(|(read, millis)| {
+                let since = now.checked_duration_since(read)?;
+                (since < REREAD).then(|| millis + u64::from(since.subsec_millis()))
+            });
+            derived.unwrap_or_else(|| {
+                let millis = unix_millis(SystemTime::now());
+                wall.set(Some((now, millis)));
+                millis
+            })
+        });
+        Self::issued(millis)
+    }
+
+    /// The token of unix time `millis`, then this thread's next count.
+    fn issued(millis: u64) -> Self {
         thread_local! {
             static NEXT: Cell<u64> = Cell::new(rand::random());
         }
         let count = NEXT.with(|next| next.replace(next.get().wrapping_add(1)));
         let mut bytes = [0; 16];
-        bytes[..8].copy_from_slice(&unix_millis(SystemTime::now()).to_be_bytes());
+        bytes[..8].copy_from_slice(&millis.to_be_bytes());
         bytes[8..].copy_from_slice(&count.to_be_bytes());
         Self(bytes)
     }
@@ -366,6 +396,26 @@ mod tests {
             assert!(seen.insert(token), "{token:?} was handed out twice");
         }
         assert_eq!(seen.len(), 2000);
+    }
+
+    #[test]
+    fn a_token_issued_at_a_reading_carries_the_wall_clock_of_that_reading() {
+        let issued =
+            |token: ClaimToken| u64::from_be_bytes(token.as_bytes()[..8].try_into().unwrap());
+        let now = Instant::now();
+        let age = ClaimToken::unique_at(now).age().expect("a plausible time");
+        assert!(age < Duration::from_secs(2), "{age:?}");
+        // Within a second of this thread's last reading of the system clock, the time
+        // follows the monotonic one to the millisecond.
+        let later = now + Duration::from_secs(100);
+        let first = issued(ClaimToken::unique_at(later));
+        let next = issued(ClaimToken::unique_at(later + Duration::from_millis(400)));
+        assert_eq!(next - first, 400);
+        // A second on, or before the last reading, the system clock is read again.
+        let reread = issued(ClaimToken::unique_at(later + Duration::from_millis(1500)));
+        assert!(reread.abs_diff(first) < 1000, "{first} then {reread}");
+        let earlier = issued(ClaimToken::unique_at(now));
+        assert!(earlier.abs_diff(first) < 1000, "{first} then {earlier}");
     }
 
     fn completed(body: &'static [u8]) -> Record {
