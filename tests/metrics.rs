@@ -747,3 +747,67 @@ async fn writes_no_replica_acknowledges_are_counted() {
         assert_eq!(counted, 1.0, "{operation}");
     }
 }
+
+/// An execution is timed to the end of the response body the layer keeps: a handler that
+/// streams its body for 300 ms ran for 300 ms, and the record's write, which starts when
+/// the body ends, is not charged for it. (In process, with a recorder of its own: the
+/// example streams no body.)
+#[test]
+fn an_execution_is_timed_to_the_end_of_its_streamed_body() {
+    use std::{convert::Infallible, time::Duration};
+
+    use axum::{body::Body, http::Request, routing::post, Router};
+    use bytes::Bytes;
+    use http_body_util::BodyExt;
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    use tower::ServiceExt;
+    use tower_idempotency::{IdempotencyLayer, MemoryStore};
+
+    const STREAMED_FOR: Duration = Duration::from_millis(300);
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let scraper = recorder.handle();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let streams = || async {
+        let body = futures_util::stream::once(async {
+            tokio::time::sleep(STREAMED_FOR).await;
+            Ok::<_, Infallible>(Bytes::from_static(b"paid"))
+        });
+        (reqwest::StatusCode::CREATED, Body::from_stream(body))
+    };
+    let app = Router::new()
+        .route("/pay", post(streams))
+        .layer(IdempotencyLayer::new(MemoryStore::new()).allow_anonymous());
+    // Every handle the layer makes is made on its first request, from this recorder.
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let request = Request::post("/pay")
+                .header("idempotency-key", "streamed-1")
+                .body(Body::empty())
+                .expect("a request");
+            let response = app.oneshot(request).await.expect("a response");
+            assert_eq!(response.status(), reqwest::StatusCode::CREATED);
+            let body = response.into_body().collect().await.expect("the body");
+            assert_eq!(body.to_bytes(), "paid");
+        })
+    });
+    let scrape = Scrape::parse(&scraper.render());
+    assert_eq!(scrape.get(&format!("{EXECUTION}_count"), &[]), 1.0);
+    let ran_for = scrape.get(&format!("{EXECUTION}_sum"), &[]);
+    assert!(
+        ran_for >= STREAMED_FOR.as_secs_f64(),
+        "the body streamed for {STREAMED_FOR:?}, the execution counted {ran_for} s"
+    );
+    let completed = operation("memory", "complete", "ok");
+    let writing = scrape.get(&format!("{STORE_OPERATIONS}_sum"), &completed);
+    assert!(
+        writing < STREAMED_FOR.as_secs_f64(),
+        "the record's write counted {writing} s"
+    );
+    assert_eq!(
+        scrape.get(&format!("{STORE_OPERATIONS}_count"), &completed),
+        1.0
+    );
+}

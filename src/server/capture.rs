@@ -8,6 +8,7 @@ use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderName, Response, StatusCode};
 use http_body::Body;
 use http_body_util::BodyExt;
+use tokio::time::Instant;
 
 use super::{
     body::ResponseBody,
@@ -19,13 +20,16 @@ use super::{
 use crate::{fingerprint::SentHeaders, Fingerprint, StoredResponse};
 
 /// Buffers the response (up to `max_response_body`), records it unless the release
-/// policy gives the key back, and returns it to its client.
+/// policy gives the key back, and returns it to its client. The execution, begun at
+/// `started`, is timed to the end of the body it buffers: a streamed body is the
+/// handler's work too, and that one reading of the clock also starts the record's write.
 pub(crate) async fn record<B>(
     lease: &Lease,
     protocol: Protocol,
     fingerprint: Fingerprint,
     asked: &SentHeaders,
     response: Response<B>,
+    started: Instant,
 ) -> Response<ResponseBody<B>>
 where
     B: Body<Data = Bytes>,
@@ -33,63 +37,65 @@ where
 {
     let config = &lease.shared().config;
     let (mut parts, body) = response.into_parts();
-    let (stored, fingerprint, outcome, answer) =
-        match buffer_response(body, config.max_response_body).await {
-            Buffered::Whole { body, trailers } => {
-                let releases = config.release.releases_whole(
-                    protocol,
-                    parts.status,
-                    &parts.headers,
-                    trailers.as_deref(),
-                );
-                if releases {
-                    lease.release("the response releases the key").await;
-                    let body = ResponseBody::with_boxed_trailers(body, trailers);
-                    return Response::from_parts(parts, body);
-                }
-                let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
-                // The record borrows the response's body, trailers and, when a replay keeps
-                // every one, headers, and hands them back once written: copying them
-                // would cost a map and a body handle per execution.
-                let set_cookie = config.replay_set_cookie;
-                let headers_lent = replays_every_header(&parts.headers, set_cookie);
-                let headers = if headers_lent {
-                    std::mem::take(&mut parts.headers)
-                } else {
-                    replayable_headers(&parts.headers, set_cookie)
-                };
-                let stored = StoredResponse {
-                    status: parts.status,
-                    headers,
-                    body,
-                    trailers,
-                };
-                let answer = Answer::Recorded { headers_lent };
-                (stored, fingerprint, RequestOutcome::Executed, answer)
+    let buffered = buffer_response(body, config.max_response_body).await;
+    let ended = Instant::now();
+    lease.shared().state.meters.executed_for(ended - started);
+    let (stored, fingerprint, outcome, answer) = match buffered {
+        Buffered::Whole { body, trailers } => {
+            let releases = config.release.releases_whole(
+                protocol,
+                parts.status,
+                &parts.headers,
+                trailers.as_deref(),
+            );
+            if releases {
+                lease.release("the response releases the key").await;
+                let body = ResponseBody::with_boxed_trailers(body, trailers);
+                return Response::from_parts(parts, body);
             }
-            Buffered::TooLarge { prefix, rest } => {
-                lease.warn(
+            let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
+            // The record borrows the response's body, trailers and, when a replay keeps
+            // every one, headers, and hands them back once written: copying them
+            // would cost a map and a body handle per execution.
+            let set_cookie = config.replay_set_cookie;
+            let headers_lent = replays_every_header(&parts.headers, set_cookie);
+            let headers = if headers_lent {
+                std::mem::take(&mut parts.headers)
+            } else {
+                replayable_headers(&parts.headers, set_cookie)
+            };
+            let stored = StoredResponse {
+                status: parts.status,
+                headers,
+                body,
+                trailers,
+            };
+            let answer = Answer::Recorded { headers_lent };
+            (stored, fingerprint, RequestOutcome::Executed, answer)
+        }
+        Buffered::TooLarge { prefix, rest } => {
+            lease.warn(
                 "response larger than max_response_body: retries get 409 response_not_replayable",
             );
-                let reason = Reason::NotReplayable {
-                    status: parts.status,
-                };
-                let endpoint = lease.scope().endpoint().to_owned();
-                let renderer = config.render_rejections.as_deref();
-                let stored = Rejection::new(reason, endpoint).into_stored(protocol, renderer);
-                // Not the response but a refusal to replay it, to every retry alike.
-                let answer = Answer::Streamed(ResponseBody::spliced(prefix, rest));
-                (stored, fingerprint, RequestOutcome::NotReplayable, answer)
-            }
-            Buffered::Failed(error) => {
-                tracing::error!(%error, "the response body failed");
-                lease.release("the response body failed").await;
-                let mut response = Response::new(ResponseBody::full(Bytes::new()));
-                *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
-                return response;
-            }
-        };
-    let recorded = lease.complete(fingerprint, &stored).await;
+            let reason = Reason::NotReplayable {
+                status: parts.status,
+            };
+            let endpoint = lease.scope().endpoint().to_owned();
+            let renderer = config.render_rejections.as_deref();
+            let stored = Rejection::new(reason, endpoint).into_stored(protocol, renderer);
+            // Not the response but a refusal to replay it, to every retry alike.
+            let answer = Answer::Streamed(ResponseBody::spliced(prefix, rest));
+            (stored, fingerprint, RequestOutcome::NotReplayable, answer)
+        }
+        Buffered::Failed(error) => {
+            tracing::error!(%error, "the response body failed");
+            lease.release("the response body failed").await;
+            let mut response = Response::new(ResponseBody::full(Bytes::new()));
+            *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+            return response;
+        }
+    };
+    let recorded = lease.complete(fingerprint, &stored, ended).await;
     if !recorded && lease.shared().store.commits_handler_writes() {
         // The handler's writes were rolled back with the record: its response would tell
         // of what did not happen. The retry executes again.

@@ -272,22 +272,28 @@ where
         let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
         let called = lease.renew_while(call, started).await;
         let shared = lease.shared();
-        shared.state.meters.executed_for(started.elapsed());
+        let ran = || shared.state.meters.executed_for(started.elapsed());
         match called {
             Err(panic) => {
+                ran();
                 lease.release("the handler panicked").await;
                 std::panic::resume_unwind(panic)
             }
             Ok(Err(error)) => {
+                ran();
                 lease.release("the inner service failed").await;
                 Err(error)
             }
             Ok(Ok(response)) if shared.config.release.releases_status(response.status()) => {
+                ran();
                 lease.release("the response status releases the key").await;
                 Ok(response.map(ResponseBody::inner))
             }
+            // Timed there, to the end of the body it records.
             Ok(Ok(response)) => {
-                Ok(capture::record(&lease, protocol, fingerprint, &asked, response).await)
+                let recorded =
+                    capture::record(&lease, protocol, fingerprint, &asked, response, started);
+                Ok(recorded.await)
             }
         }
     }

@@ -153,18 +153,19 @@ impl Lease {
     /// the claim's lease lasts (counted from the last renewal the store applied), and the
     /// lease is renewed meanwhile whenever the store answers. Writes are fenced and
     /// idempotent, so repeating one that did apply is harmless; past the lease, the key
-    /// may be another request's, and the fence would refuse the write anyway.
+    /// may be another request's, and the fence would refuse the write anyway. The first
+    /// attempt is timed from `started`, a reading its caller took anyway.
     async fn write_until_settled<'a, F>(
         &'a self,
         operation: Operation,
         write: impl Fn() -> F,
+        started: Instant,
     ) -> store::Result<Fenced>
     where
         F: Future<Output = store::Result<Fenced>> + 'a,
     {
         let meters = &self.shared.state.meters;
         // The first attempt goes alone: a store that answers (nearly always) costs no timer.
-        let started = Instant::now();
         let written = write().await;
         meters.stored(operation, started, &written);
         let first = match written {
@@ -221,15 +222,17 @@ impl Lease {
 
     async fn give_back(&self) -> store::Result<Fenced> {
         let release = || self.shared.store.release(&self.scope, self.token);
-        self.write_until_settled(Operation::Release, release).await
+        self.write_until_settled(Operation::Release, release, Instant::now())
+            .await
     }
 
     /// Records `response` as the key's outcome, replayed to every retry until the
-    /// layer's ttl runs out: whether the store applied it.
+    /// layer's ttl runs out, timed from `now`: whether the store applied it.
     pub(crate) async fn complete(
         &self,
         fingerprint: Fingerprint,
         response: &StoredResponse,
+        now: Instant,
     ) -> bool {
         let ttl = self.shared.config.ttl;
         let complete = || {
@@ -238,7 +241,7 @@ impl Lease {
                 .complete(&self.scope, self.token, fingerprint, response, ttl)
         };
         match self
-            .write_until_settled(Operation::Complete, complete)
+            .write_until_settled(Operation::Complete, complete, now)
             .await
         {
             Ok(Fenced::Applied) => return true,

@@ -380,7 +380,7 @@ fn describe() {
     metrics::describe_histogram!(
         "idempotency_execution_seconds",
         Unit::Seconds,
-        "How long handlers ran for keyed requests that executed"
+        "How long handlers ran for keyed requests that executed, to the end of the response body kept"
     );
     metrics::describe_gauge!(
         "idempotency_in_flight",
