@@ -775,7 +775,7 @@ fn an_execution_is_timed_to_the_end_of_its_streamed_body() {
             tokio::time::sleep(STREAMED_FOR).await;
             Ok::<_, Infallible>(Bytes::from_static(b"paid"))
         });
-        (reqwest::StatusCode::CREATED, Body::from_stream(body))
+        (StatusCode::CREATED, Body::from_stream(body))
     };
     let app = Router::new()
         .route("/pay", post(streams))
@@ -788,7 +788,7 @@ fn an_execution_is_timed_to_the_end_of_its_streamed_body() {
                 .body(Body::empty())
                 .expect("a request");
             let response = app.oneshot(request).await.expect("a response");
-            assert_eq!(response.status(), reqwest::StatusCode::CREATED);
+            assert_eq!(response.status(), StatusCode::CREATED);
             let body = response.into_body().collect().await.expect("the body");
             assert_eq!(body.to_bytes(), "paid");
         })
