@@ -18,11 +18,8 @@ cp "$root/target/release/examples/payments" "$work/payments"
 CARGO_TARGET_DIR="$work/peers-target" cargo build --release --manifest-path "$harness/peers/Cargo.toml"
 payments_bin=$work/payments
 if [ -n "${BASELINE:-}" ]; then
-  rm -rf "$work/baseline-src" && mkdir -p "$work/baseline-src"
-  git -C "$root" archive "$BASELINE" | tar -x -C "$work/baseline-src"
-  CARGO_TARGET_DIR="$work/baseline-target" \
-    cargo build --release --example payments --manifest-path "$work/baseline-src/Cargo.toml"
-  cp "$work/baseline-target/release/examples/payments" "$work/payments-baseline"
+  source "$root/benches/example-build.sh"
+  cp "$(example_build "$BASELINE")" "$work/payments-baseline"
 fi
 peers_bin=$work/peers-target/release
 
