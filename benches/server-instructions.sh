@@ -12,8 +12,11 @@
 #
 # With CACHE=1, callgrind also simulates the caches (32 KiB first-level caches here), and
 # the counts start after a warm-up (counters zeroed), so start-up is left out: per request,
-# instructions, instruction-cache misses and data-cache misses (reads and writes). A build
-# can count as many instructions as another and still miss the caches more often.
+# instructions, instruction-cache misses and data-cache misses (reads and writes), and the
+# pages of code (4 KiB) a request runs in: those that ran at least one instruction per
+# request. A build can count as many instructions as another and still miss the caches
+# more often; and the same code spread over more pages costs the processor's translation
+# caches, which callgrind does not simulate (BENCHMARKS.md measures what that costs).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 harness=${HARNESS:-$root/../shared/bench}
@@ -33,8 +36,8 @@ pay() { # key
 cache=${CACHE:-0}
 sim=()
 if [ "$cache" = 1 ]; then
-  sim=(--cache-sim=yes)
-  printf '%-10s %10s %10s %10s %s\n' workload instr/req I1miss/req D1miss/req build
+  sim=(--cache-sim=yes --dump-instr=yes)
+  printf '%-10s %10s %10s %10s %10s %s\n' workload instr/req I1miss/req D1miss/req pages/req build
 else
   printf '%-10s %10s %s\n' workload instr/req build
 fi
@@ -67,8 +70,9 @@ for bin in "${bins[@]}"; do
       # The dump's summary: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw.
       read -r ir _ _ i1 d1r d1w _ < <(sed -n 's/^summary: *//p' "$(ls "$out"/callgrind.out.* | head -1)")
       per=$((requests + warmed))
-      printf '%-10s %10d %10d %10d %s\n' "$workload" $((ir / per)) $((i1 / per)) \
-        $(((d1r + d1w) / per)) "$bin"
+      pages=$(awk -v per="$per" -f "$root/benches/code-pages.awk" "$(ls "$out"/callgrind.out.* | head -1)")
+      printf '%-10s %10d %10d %10d %10d %s\n' "$workload" $((ir / per)) $((i1 / per)) \
+        $(((d1r + d1w) / per)) "$pages" "$bin"
       rm -f "$out"/callgrind.out*
     else
       total=$(sed -n 's/^summary: *\([0-9]*\).*/\1/p' "$out/callgrind.out")
