@@ -6,12 +6,15 @@ function hex(s,   i, n, c) {
   return n
 }
 /^positions:/ { columns = NF - 1; next }
+# Addresses are relative to their object: a page is an object's page.
+/^ob=/ { object = $1; sub(/\).*/, ")", object); next }
 /^calls=/ { call = 1; next }
 /^(0x|\+|-|\*)/ {
+  # A call's line is the call's inclusive cost, at a position that does not carry on.
+  if (call) { call = 0; next }
   if ($1 ~ /^0x/) address = hex($1)
   else if ($1 ~ /^\+/) address += substr($1, 2)
   else if ($1 ~ /^-/) address -= substr($1, 2)
-  if (call) { call = 0; next }
-  if (NF > columns) ran[int(address / 4096)] += $(columns + 1)
+  if (NF > columns) ran[object, int(address / 4096)] += $(columns + 1)
 }
 END { for (page in ran) if (ran[page] >= per) pages++; print pages + 0 }

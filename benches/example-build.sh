@@ -1,10 +1,12 @@
 # Sourced by the benchmark scripts that compare builds of the `payments` example.
 # `example_build <what>` prints the path of a release build of the example: `<what>` is a
 # path to one already built (used as is), `.` for this tree, or a git revision, exported
-# with `git archive` and built under $work (default target/http-bench) with its own
-# Cargo.lock, so a baseline is the example exactly as that revision shipped it.
+# with `git archive` and built under $BENCH_WORK (default target/http-bench) with its own
+# Cargo.lock, so a baseline is the example exactly as that revision shipped it. Callers
+# run these functions in `$(...)`, where `set -e` does not hold: each failure returns.
 example_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 example_work=${BENCH_WORK:-$example_root/target/http-bench}
+mkdir -p "$example_work"
 
 example_build() {
   local what=$1
@@ -13,17 +15,17 @@ example_build() {
     return
   fi
   local src target
-  read -r src target < <(example_source "$what")
+  read -r src target < <(example_source "$what") || return
   if [ "$what" != . ] && [ -x "$src.payments" ]; then
     echo "$src.payments"
     return
   fi
   CARGO_TARGET_DIR=$target cargo build --release --example payments \
-    --manifest-path "$src/Cargo.toml" >&2
+    --manifest-path "$src/Cargo.toml" >&2 || return
   if [ "$what" = . ]; then
     echo "$target/release/examples/payments"
   else
-    cp "$target/release/examples/payments" "$src.payments"
+    cp "$target/release/examples/payments" "$src.payments" || return
     echo "$src.payments"
   fi
 }
@@ -37,12 +39,12 @@ example_source() {
     return
   fi
   local rev src
-  rev=$(git -C "$example_root" rev-parse --short "$what^{commit}")
+  rev=$(git -C "$example_root" rev-parse --short "$what^{commit}") || return
   src=$example_work/rev-$rev
   if [ ! -d "$src" ]; then
-    rm -rf "$src.partial" && mkdir -p "$src.partial"
-    git -C "$example_root" archive "$rev" | tar -x -C "$src.partial"
-    mv "$src.partial" "$src"
+    rm -rf "$src.partial" && mkdir -p "$src.partial" || return
+    git -C "$example_root" archive "$rev" | tar -x -C "$src.partial" || return
+    mv "$src.partial" "$src" || return
   fi
   # One target for every revision: what two revisions share is built once.
   echo "$src $example_work/baseline-target"
@@ -57,6 +59,8 @@ example_start() {
     PAYMENTS_STATS=payments PAYMENTS_ADDR="$example_addr" taskset -c 1 "$1" >/dev/null 2>&1 &
   example_pid=$!
   for _ in $(seq 100); do
+    # Its own answer, not another server's on the same port.
+    kill -0 "$example_pid" 2>/dev/null || break
     curl -s -o /dev/null "http://$example_addr/v1/stats" && return 0
     sleep 0.1
   done

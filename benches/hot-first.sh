@@ -3,7 +3,7 @@
 # first, together: the same code, fewer pages of it per request (see "Where the hot code
 # sits" in BENCHMARKS.md). The example runs in memory under callgrind, loaded with first
 # executions and then replays (the shared harness's scripts); every function of the
-# binary that ran at least once every other request goes, hottest first, into an lld
+# binary that ran at least one instruction every other request goes, hottest first, into an lld
 # `--symbol-ordering-file`, and the example is linked again with it.
 #
 #   benches/hot-first.sh .         # this tree
@@ -56,8 +56,10 @@ server=
 
 order=$example_work/hot-first-$name.order
 # Self cost per function of the binary (a call's line after `calls=` is the callee's
-# inclusive cost, not the caller's own), then those at or above half the requests.
-awk -v binary="$(basename "$bin")" -v least=$((requests / 2)) '
+# inclusive cost, not the caller's own), then those at or above half the requests. A
+# recursive call is counted under the function's name with a quote and a number
+# (`symbol'2`): one function to the linker.
+awk -v binary="$(basename "$bin")" -v least=$((requests / 2)) -v quote="'" '
   /^ob=/ { id = $1; sub(/^ob=/, "", id); sub(/\).*/, ")", id)
            if ($0 ~ /\) ./) { file = $0; sub(/^ob=\([0-9]+\) /, "", file); objects[id] = file }
            ob = objects[id]; next }
@@ -69,7 +71,9 @@ awk -v binary="$(basename "$bin")" -v least=$((requests / 2)) '
                          if ($0 ~ /^cfn/) names[cid] = cname; else if ($0 ~ /^cob/) objects[cid] = cname }
                        next }
   /^calls=/ { call = 1; next }
-  /^(0x|\+|-|\*|[0-9])/ { if (call) { call = 0; next } if (mine) cost[fn] += $2; next }
+  /^(0x|\+|-|\*|[0-9])/ { if (call) { call = 0; next }
+                          if (mine) { f = fn; sub(quote "[0-9]+$", "", f); cost[f] += $2 }
+                          next }
   END { for (f in cost) if (cost[f] >= least) print cost[f], f }
 ' "$(ls "$out"/callgrind.out.* | head -1)" | sort -k1,1 -n -r | cut -d' ' -f2- >"$order"
 echo "$(wc -l <"$order") hot functions of $requests requests" >&2

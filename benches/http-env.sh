@@ -19,7 +19,8 @@ CARGO_TARGET_DIR="$work/peers-target" cargo build --release --manifest-path "$ha
 payments_bin=$work/payments
 if [ -n "${BASELINE:-}" ]; then
   source "$root/benches/example-build.sh"
-  cp "$(example_build "$BASELINE")" "$work/payments-baseline"
+  baseline_bin=$(example_build "$BASELINE")
+  cp "$baseline_bin" "$work/payments-baseline"
 fi
 peers_bin=$work/peers-target/release
 

@@ -69,7 +69,7 @@ awk -F'\t' '
   END {
     for (workload in seen) {
       delete as; delete bs; delete ratios; n = 0
-      for (r = 1; r <= rounds; r++) if ((workload, r, "A") in rate && rate[workload, r, "A"] > 0) {
+      for (r = 1; r <= rounds; r++) if (rate[workload, r, "A"] > 0 && rate[workload, r, "B"] > 0) {
         n++; as[n] = rate[workload, r, "A"]; bs[n] = rate[workload, r, "B"]
         ratios[n] = bs[n] / as[n]
       }

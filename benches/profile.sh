@@ -23,7 +23,10 @@ for tool in wrk curl taskset perf; do
   command -v $tool >/dev/null || { echo "needs $tool" >&2; exit 1; }
 done
 builds=()
-for what in "$@"; do builds+=("$(example_build "$what")"); done
+for what in "$@"; do
+  bin=$(example_build "$what")
+  builds+=("$bin")
+done
 out=$example_work/profile-$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$out"
 example_pid=
