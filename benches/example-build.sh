@@ -50,13 +50,16 @@ example_source() {
   echo "$src $example_work/baseline-target"
 }
 
-# Starts the example `$1` in memory, as a user runs it (`RUST_LOG` unset, the recorder
-# installed), on CPU 1 at $example_addr, and waits until it answers; leaves its pid in
-# $example_pid.
+# The example in memory, as a user runs it (`RUST_LOG` unset, the recorder installed), with
+# the single counter the harness reads: put before its command.
+example_memory_env=(env -u REDIS_URL -u REDIS_CLUSTER_URLS -u REDIS_SENTINEL_URLS
+  -u DATABASE_URL -u RUST_LOG PAYMENTS_STATS=payments)
+
+# Starts the example `$1` in memory on CPU 1 at $example_addr, and waits until it answers;
+# leaves its pid in $example_pid.
 example_addr=127.0.0.1:${EXAMPLE_BENCH_PORT:-3000}
 example_start() {
-  env -u REDIS_URL -u REDIS_CLUSTER_URLS -u REDIS_SENTINEL_URLS -u DATABASE_URL -u RUST_LOG \
-    PAYMENTS_STATS=payments PAYMENTS_ADDR="$example_addr" taskset -c 1 "$1" >/dev/null 2>&1 &
+  "${example_memory_env[@]}" PAYMENTS_ADDR="$example_addr" taskset -c 1 "$1" >/dev/null 2>&1 &
   example_pid=$!
   for _ in $(seq 100); do
     # Its own answer, not another server's on the same port.
@@ -68,14 +71,15 @@ example_start() {
   return 1
 }
 
-# Pays once with each of the 100 keys the harness's replay.lua sends (namespace 1, user
-# bench), so that its requests are replays.
+# Pays once with each of the 100 keys the harness's replay.lua sends in namespace `$2`
+# (default 1) for user bench, at `$1` (default $example_addr), so that its requests are
+# replays.
 example_prewarm() {
-  local i
+  local addr=${1:-$example_addr} namespace=${2:-1} i
   for i in $(seq 100); do
-    curl -s -o /dev/null -X POST "http://$example_addr/v1/payments" \
+    curl -s -o /dev/null -X POST "http://$addr/v1/payments" \
       -H 'Content-Type: application/json' -H 'Authorization: Bearer bench' \
-      -H "Idempotency-Key: $(printf '%08x-0000-4000-8000-%012d' 1 "$i")" \
+      -H "Idempotency-Key: $(printf '%08x-0000-4000-8000-%012d' "$namespace" "$i")" \
       --data '{"amount":1000,"currency":"usd"}'
   done
 }

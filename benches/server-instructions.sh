@@ -17,8 +17,11 @@
 # request. A build can count as many instructions as another and still miss the caches
 # more often; and the same code spread over more pages costs the processor's translation
 # caches, which callgrind does not simulate (BENCHMARKS.md measures what that costs).
+# With CACHE=1, DUMPS=<dir> keeps each dump there as <build>.<workload>.<requests>.callgrind,
+# and VALGRIND_ARGS adds callgrind options (hot-first.sh reads mangled names so).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/benches/example-build.sh"
 harness=${HARNESS:-$root/../shared/bench}
 addr=127.0.0.1:${SERVER_INSTRUCTIONS_PORT:-3007}
 out=$(mktemp -d)
@@ -29,10 +32,6 @@ if [ ${#bins[@]} -eq 0 ]; then
   cargo build --release --example payments --manifest-path "$root/Cargo.toml"
   bins=("$root/target/release/examples/payments")
 fi
-pay() { # key
-  curl -s -o /dev/null -X POST "http://$addr/v1/payments" -H 'Content-Type: application/json' \
-    -H "Idempotency-Key: $1" -H 'Authorization: Bearer bench' --data '{"amount":1000,"currency":"usd"}'
-}
 cache=${CACHE:-0}
 sim=()
 if [ "$cache" = 1 ]; then
@@ -43,14 +42,14 @@ else
 fi
 for bin in "${bins[@]}"; do
   for workload in first replay; do
-    env -u REDIS_URL -u DATABASE_URL -u RUST_LOG PAYMENTS_STATS=payments PAYMENTS_ADDR=$addr \
-      valgrind --tool=callgrind "${sim[@]}" --callgrind-out-file="$out/callgrind.out" "$bin" \
-      >"$out/server.log" 2>&1 &
+    # shellcheck disable=SC2086 # options, split on purpose
+    "${example_memory_env[@]}" PAYMENTS_ADDR=$addr valgrind --tool=callgrind "${sim[@]}" \
+      ${VALGRIND_ARGS:-} --callgrind-out-file="$out/callgrind.out" "$bin" >"$out/server.log" 2>&1 &
     server=$!
     for _ in $(seq 200); do curl -s -o /dev/null "http://$addr/v1/stats" && break; sleep 0.1; done
     args=bench warmed=0
     if [ "$workload" = replay ]; then
-      for i in $(seq 100); do pay "$(printf '00000000-0000-4000-8000-%012d' "$i")"; done
+      example_prewarm "$addr" 0
       args="100 0 bench" warmed=100
     fi
     if [ "$cache" = 1 ]; then
@@ -73,6 +72,11 @@ for bin in "${bins[@]}"; do
       pages=$(awk -v per="$per" -f "$root/benches/code-pages.awk" "$(ls "$out"/callgrind.out.* | head -1)")
       printf '%-10s %10d %10d %10d %10d %s\n' "$workload" $((ir / per)) $((i1 / per)) \
         $(((d1r + d1w) / per)) "$pages" "$bin"
+      if [ -n "${DUMPS:-}" ]; then
+        mkdir -p "$DUMPS"
+        mv "$(ls "$out"/callgrind.out.* | head -1)" \
+          "$DUMPS/$(basename "$bin").$workload.$requests.callgrind"
+      fi
       rm -f "$out"/callgrind.out*
     else
       total=$(sed -n 's/^summary: *\([0-9]*\).*/\1/p' "$out/callgrind.out")
