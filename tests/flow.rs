@@ -42,10 +42,12 @@ for_each_store!(
     concurrent_duplicates_execute_once,
     a_request_dropped_mid_execution_still_records,
     panicking_handler_releases_the_key,
+    a_panicking_response_body_releases_the_key,
     server_errors_release_and_client_errors_are_recorded,
     inner_service_error_releases_the_key,
     completed_records_expire_after_their_ttl,
     lease_is_renewed_while_the_handler_runs,
+    lease_is_renewed_while_the_response_body_streams,
     completing_twice_with_one_token_is_harmless,
     scope_parts_never_splice,
     principals_are_isolated_by_default,
@@ -488,6 +490,58 @@ async fn lease_is_renewed_while_the_handler_runs(store: Arc<dyn Store>) {
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     assert!(send(&app, slow()).await.replayed());
     assert_eq!(handler.executions(), 1);
+}
+
+/// The body is the handler's work too: one that streams past the lease keeps its key, so
+/// a retry meanwhile is told to come back, not executed again.
+async fn lease_is_renewed_while_the_response_body_streams(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).lease(Duration::from_millis(300)));
+    let streamed = || {
+        post("/pay")
+            .key("streamed")
+            .header("x-body-sleep-ms", "1000")
+    };
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, streamed()).await }
+    });
+    // Past the first lease, and past twice it, while the body still streams: still held.
+    for (wait, at) in [(500, 500), (300, 800)] {
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        let answer = send(&app, streamed()).await;
+        assert_eq!(answer.error(), "request_in_progress", "at {at} ms");
+    }
+    let first = first.await.unwrap();
+    first.assert_executed();
+    assert_eq!(&first.body[..], b"execution 1, part 0;execution 1, part 1;");
+    let replay = send(&app, streamed()).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(handler.executions(), 1);
+}
+
+/// A body that panics while the layer reads it gives its key back, as a handler that
+/// panics does: the retry executes, rather than waiting out the lease.
+async fn a_panicking_response_body_releases_the_key(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store));
+    let outcome = tokio::spawn({
+        let app = app.clone();
+        async move {
+            send(
+                &app,
+                post("/pay").key("body-boom").header("x-body-panic", "1"),
+            )
+            .await
+        }
+    })
+    .await;
+    assert!(outcome.unwrap_err().is_panic());
+    send(&app, post("/pay").key("body-boom"))
+        .await
+        .assert_executed();
+    assert_eq!(handler.executions(), 2);
 }
 
 /// Not transactional: a transaction holds its key while its connection lives, whatever the

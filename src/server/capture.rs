@@ -5,7 +5,7 @@
 use std::{fmt, pin::Pin};
 
 use bytes::{Bytes, BytesMut};
-use http::{header, HeaderMap, HeaderName, Response, StatusCode};
+use http::{header, response, HeaderMap, HeaderName, Response, StatusCode};
 use http_body::Body;
 use http_body_util::BodyExt;
 use tokio::time::Instant;
@@ -19,16 +19,34 @@ use super::{
 };
 use crate::{fingerprint::SentHeaders, Fingerprint, StoredResponse};
 
-/// Buffers the response (up to `max_response_body`), records it unless the release
-/// policy gives the key back, and returns it to its client. The execution, begun at
-/// `started`, is timed to the end of the body it buffers: a streamed body is the
-/// handler's work too, and that one reading of the clock also starts the record's write.
+/// A response with its body read, up to `max_response_body`: what [`record`] records.
+pub(crate) struct Captured<B: Body> {
+    parts: response::Parts,
+    buffered: Buffered<B>,
+}
+
+/// Reads the response's body, up to `limit` bytes. A streamed body is the handler's work
+/// too: the execution reads it where it runs the handler, with the lease renewed and
+/// panics caught, so a body that streams past the lease is not executed again and one
+/// that panics gives its key back.
+pub(crate) async fn capture<B>(response: Response<B>, limit: usize) -> Captured<B>
+where
+    B: Body<Data = Bytes>,
+{
+    let (parts, body) = response.into_parts();
+    let buffered = buffer_response(body, limit).await;
+    Captured { parts, buffered }
+}
+
+/// Records a captured response unless the release policy gives the key back, and returns
+/// it to its client. The execution, begun at `started`, is timed to the end of the body it
+/// captured, and that one reading of the clock also starts the record's write.
 pub(crate) async fn record<B>(
     lease: &Lease,
     protocol: Protocol,
     fingerprint: Fingerprint,
     asked: &SentHeaders,
-    response: Response<B>,
+    captured: Captured<B>,
     started: Instant,
 ) -> Response<ResponseBody<B>>
 where
@@ -36,8 +54,10 @@ where
     B::Error: fmt::Display,
 {
     let config = &lease.shared().config;
-    let (mut parts, body) = response.into_parts();
-    let buffered = buffer_response(body, config.max_response_body).await;
+    let Captured {
+        mut parts,
+        buffered,
+    } = captured;
     let ended = Instant::now();
     lease.shared().state.meters.executed_for(ended - started);
     let (stored, fingerprint, outcome, answer) = match buffered {

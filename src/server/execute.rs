@@ -269,14 +269,26 @@ where
     // (`Vary`): its record must match only retries that ask the same.
     let asked = SentHeaders::of(request.headers());
     async move {
-        let call = AssertUnwindSafe(async move { inner.call(request).await }).catch_unwind();
-        let called = lease.renew_while(call, started).await;
         let shared = lease.shared();
+        let config = &shared.config;
+        // The body is read in the call (see `capture::capture`): renewed and caught alike.
+        let call = AssertUnwindSafe(async move {
+            let response = inner.call(request).await?;
+            Ok(if config.release.releases_status(response.status()) {
+                Called::Released(response)
+            } else {
+                Called::Captured(capture::capture(response, config.max_response_body).await)
+            })
+        })
+        .catch_unwind();
+        let called = lease.renew_while(call, started).await;
         let ran = || shared.state.meters.executed_for(started.elapsed());
         match called {
             Err(panic) => {
                 ran();
-                lease.release("the handler panicked").await;
+                lease
+                    .release("the handler or its response body panicked")
+                    .await;
                 std::panic::resume_unwind(panic)
             }
             Ok(Err(error)) => {
@@ -284,19 +296,26 @@ where
                 lease.release("the inner service failed").await;
                 Err(error)
             }
-            Ok(Ok(response)) if shared.config.release.releases_status(response.status()) => {
+            Ok(Ok(Called::Released(response))) => {
                 ran();
                 lease.release("the response status releases the key").await;
                 Ok(response.map(ResponseBody::inner))
             }
-            // Timed there, to the end of the body it records.
-            Ok(Ok(response)) => {
+            // Timed there, to the end of the body it captured.
+            Ok(Ok(Called::Captured(captured))) => {
                 let recorded =
-                    capture::record(&lease, protocol, fingerprint, &asked, response, started);
+                    capture::record(&lease, protocol, fingerprint, &asked, captured, started);
                 Ok(recorded.await)
             }
         }
     }
+}
+
+/// What the inner service's call came to: a response whose status gives the key back,
+/// passed on as it streams, or one captured to record.
+enum Called<B: Body> {
+    Released(Response<B>),
+    Captured(capture::Captured<B>),
 }
 
 /// When a duplicate should come back: after as long again as the holder has been running

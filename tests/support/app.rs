@@ -17,6 +17,7 @@ use axum::{
     routing, Router,
 };
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http_body_util::BodyExt;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
@@ -68,6 +69,24 @@ pub async fn handle(State(handler): State<Handler>, request: Request) -> Respons
         panic!("handler panicked on purpose");
     }
     let status = flag("x-status").map_or(StatusCode::CREATED, |s| s.parse().unwrap());
+    if let Some(ms) = flag("x-body-sleep-ms") {
+        // The handler returns at once; its body's second part comes `ms` later.
+        let ms = ms.parse().unwrap();
+        let parts = futures_util::stream::iter([0, 1]).then(move |part| async move {
+            if part == 1 {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            Ok::<_, std::io::Error>(Bytes::from(format!("execution {n}, part {part};")))
+        });
+        return (status, Body::from_stream(parts)).into_response();
+    }
+    if flag("x-body-panic").is_some() {
+        let parts = futures_util::stream::iter([0, 1]).map(|part| {
+            assert_eq!(part, 0, "the response body panicked on purpose");
+            Ok::<_, std::io::Error>(Bytes::from_static(b"part 0;"))
+        });
+        return (status, Body::from_stream(parts)).into_response();
+    }
     if let Some(len) = flag("x-body-len") {
         return (status, vec![b'x'; len.parse().unwrap()]).into_response();
     }
