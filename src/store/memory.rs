@@ -49,6 +49,8 @@ struct Shard {
     /// execution, stays a sixth of the size (measured in BENCHMARKS.md).
     records: Table<String, Box<Entry>>,
     sweep_at_len: usize,
+    /// When a shard at its bound is next swept for room (`None`: at once).
+    full_sweep_at: Option<Instant>,
 }
 
 struct Entry {
@@ -74,7 +76,9 @@ impl MemoryStore {
     /// Caps the live records at about `max` (each of 16 shards holds `max / 16`). A claim
     /// for a new key that finds its shard full of live records fails with a store error
     /// (`503` by default): no record is ever dropped early, since that would let a retry
-    /// execute twice.
+    /// execute twice. A full shard is swept of its expired records when it needs room:
+    /// at once the first time, then once an eighth of the records its last sweep kept
+    /// have expired, so that a shard full of live records costs no sweep per claim.
     ///
     /// # Example
     ///
@@ -91,6 +95,7 @@ impl MemoryStore {
         let shards = Shards::new(|| Shard {
             records: Table::default(),
             sweep_at_len: MIN_SWEEP_LEN,
+            full_sweep_at: None,
         });
         Self {
             inner: Arc::new(Inner {
@@ -170,8 +175,35 @@ impl Shard {
         if self.records.len() < self.sweep_at_len {
             return;
         }
+        self.sweep(now);
+    }
+
+    fn sweep(&mut self, now: Instant) {
         self.records.retain(|entry| entry.expires_at > now);
         self.sweep_at_len = (self.records.len() * 2).max(MIN_SWEEP_LEN);
+    }
+
+    /// Whether a shard at its bound of `max` records has room for one more once swept
+    /// of its expired records, sweeping it only when enough may have expired since its
+    /// last sweep for room: the growth rule alone never sweeps a shard held below it.
+    #[cold]
+    fn make_room(&mut self, now: Instant, max: usize) -> bool {
+        if self.full_sweep_at.is_none_or(|at| now >= at) {
+            self.sweep(now);
+            self.full_sweep_at = self.eighth_expired_at();
+        }
+        self.records.len() < max
+    }
+
+    /// When an eighth of the records (at least one) will have expired, unless renewed or
+    /// completed meanwhile; `None` for an empty shard.
+    fn eighth_expired_at(&self) -> Option<Instant> {
+        let mut expiries: Vec<Instant> = self.records.values().map(|e| e.expires_at).collect();
+        if expiries.is_empty() {
+            return None;
+        }
+        let nth = (expiries.len() / 8).max(1) - 1;
+        Some(*expiries.select_nth_unstable(nth).1)
     }
 }
 
@@ -209,8 +241,10 @@ impl Store for MemoryStore {
             });
         }
         shard.sweep_if_due(now);
-        if shard.records.len() >= self.inner.max_records_per_shard
+        let max = self.inner.max_records_per_shard;
+        if shard.records.len() >= max
             && shard.records.get(key).is_none()
+            && !shard.make_room(now, max)
         {
             return Err(Error::Unavailable("memory store is full".into()));
         }
@@ -337,5 +371,72 @@ mod tests {
         }
         assert!(store.len() <= SHARDS, "len {}", store.len());
         assert_eq!(refused, 200 - store.len());
+    }
+
+    /// A bound below the growth rule's first sweep: a full shard is swept for room, so
+    /// expired records do not keep refusing new keys.
+    #[tokio::test]
+    async fn a_full_store_makes_room_as_its_records_expire() {
+        let store = MemoryStore::new().max_records(SHARDS);
+        let fingerprint = Fingerprint::from_bytes([0; 32]);
+        for i in 0..400 {
+            let _ = store
+                .claim(
+                    &scope(&format!("old{i}")),
+                    fingerprint,
+                    Duration::from_millis(20),
+                )
+                .await;
+        }
+        assert_eq!(store.len(), SHARDS, "every shard full");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for i in 0..200 {
+            let claim = store
+                .claim(
+                    &scope(&format!("new{i}")),
+                    fingerprint,
+                    Duration::from_millis(1),
+                )
+                .await;
+            assert!(claim.is_ok(), "new{i}: {claim:?}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// Full of live records, a shard is swept again only once an eighth of them may have
+    /// expired, not on every claim it refuses.
+    #[test]
+    fn a_full_shard_is_swept_again_once_an_eighth_has_expired() {
+        let now = Instant::now();
+        let mut shard = Shard {
+            records: Table::default(),
+            sweep_at_len: MIN_SWEEP_LEN,
+            full_sweep_at: None,
+        };
+        let shards = Shards::new(|| ());
+        let fingerprint = Fingerprint::from_bytes([0; 32]);
+        let keys: Vec<String> = (0..16).map(|i| format!("k{i}")).collect();
+        for (i, key) in keys.iter().enumerate() {
+            let token = ClaimToken::unique();
+            let entry = Entry {
+                record: Record::InProgress { fingerprint, token },
+                token,
+                expires_at: now + Duration::from_secs(10 + i as u64),
+            };
+            let hashed = shards.hash(key);
+            shard
+                .records
+                .insert(hashed, || key.clone(), Box::new(entry));
+        }
+        assert!(!shard.make_room(now, 16), "nothing has expired");
+        // Two of sixteen: the second to expire.
+        assert_eq!(shard.full_sweep_at, Some(now + Duration::from_secs(11)));
+        let first = shards.hash(&keys[0]);
+        shard.records.get_mut(first).unwrap().expires_at = now;
+        let later = now + Duration::from_secs(1);
+        assert!(!shard.make_room(later, 16), "not swept before then");
+        assert_eq!(shard.records.len(), 16);
+        assert!(shard.make_room(now + Duration::from_secs(11), 16));
+        assert_eq!(shard.records.len(), 14);
     }
 }
