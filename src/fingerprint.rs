@@ -41,7 +41,10 @@ impl Fingerprint {
         part(parts.uri.query().unwrap_or("").as_bytes());
         for name in headers {
             part(name.as_str().as_bytes());
-            for value in parts.headers.get_all(name) {
+            // Counted, so that a value cannot pass for the next header's name.
+            let values = parts.headers.get_all(name);
+            part(&(values.iter().count() as u64).to_be_bytes());
+            for value in values {
                 part(value.as_bytes());
             }
         }
@@ -214,6 +217,29 @@ mod tests {
         assert_eq!(
             Fingerprint::of(&parts("/a", Some("t")), &[], b""),
             Fingerprint::of(&parts("/a", Some("u")), &[], b"")
+        );
+    }
+
+    #[test]
+    fn a_header_value_cannot_pass_for_the_next_configured_header() {
+        let names = [
+            HeaderName::from_static("x-account"),
+            HeaderName::from_static("x-currency"),
+        ];
+        let of = |pairs: &[(&str, &str)]| {
+            let mut request = http::Request::post("/pay").body(()).unwrap();
+            *request.headers_mut() = headers(pairs);
+            Fingerprint::of(&request.into_parts().0, &names, b"{}")
+        };
+        // Without counts, both hash as x-account, x-currency, x-currency.
+        assert_ne!(
+            of(&[("x-account", "x-currency")]),
+            of(&[("x-currency", "x-currency")])
+        );
+        assert_ne!(of(&[("x-account", "")]), of(&[]));
+        assert_ne!(
+            of(&[("x-account", "a"), ("x-account", "b")]),
+            of(&[("x-account", "a"), ("x-currency", "b")])
         );
     }
 
