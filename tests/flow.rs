@@ -14,7 +14,7 @@ use std::{
 use axum::{
     body::Body,
     extract::Request,
-    http::{header, HeaderMap, HeaderValue, StatusCode},
+    http::{header, request::Parts, HeaderMap, HeaderValue, StatusCode},
     response::Response,
     routing, Router,
 };
@@ -786,6 +786,24 @@ async fn a_keyed_request_without_a_principal_is_refused_unless_the_route_opts_in
     let answer = send(&rescoped, as_session("rescoped", "a")).await;
     assert_eq!(answer.error(), "idempotency_principal_missing");
     assert_eq!(handler.executions(), 4);
+    // An extractor that names the empty principal (a blank header) names none: refused,
+    // rather than let into the anonymous scope the route did not opt in to.
+    let by_header = IdempotencyLayer::from_shared(store.clone()).principal(|parts: &Parts| {
+        let user = parts.headers.get("x-user-id")?.to_str().ok()?;
+        Some(user.to_owned())
+    });
+    let by_header = router(&handler, by_header);
+    let blank = || post("/pay").key("blank").header("x-user-id", "");
+    let answer = send(&by_header, blank()).await;
+    assert_eq!(answer.error(), "idempotency_principal_missing");
+    assert_eq!(
+        send(&by_header, blank()).await.error(),
+        "idempotency_principal_missing"
+    );
+    assert_eq!(handler.executions(), 4);
+    let named = post("/pay").key("blank").header("x-user-id", "u1");
+    send(&by_header, named).await.assert_executed();
+    assert_eq!(handler.executions(), 5);
 }
 
 /// With a secret, the `Authorization` digest is an HMAC under it: two instances with the

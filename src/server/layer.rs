@@ -420,7 +420,8 @@ impl IdempotencyLayer {
     /// `sub` of a verified JWT, the access key id of a verified signature), never an
     /// unverified header a client could set to another user's name, and never a credential
     /// that changes between retries (a refreshed token, a per-request signature), under
-    /// which a retry would execute again.
+    /// which a retry would execute again. An empty name counts as none: the request is
+    /// anonymous, refused unless the route [allows that](Self::allow_anonymous).
     ///
     /// # Example
     ///

@@ -141,7 +141,13 @@ pub(crate) fn principal_of(
     parts: &Parts,
 ) -> Result<Option<Principal>, PrincipalMissing> {
     let config = &shared.config;
-    let principal = config.principal.0.extract(parts);
+    // An empty name (a blank header, a token whose subject is "") is no principal: its
+    // scope is the anonymous one, which only a route that opts in may share.
+    let principal = config
+        .principal
+        .0
+        .extract(parts)
+        .filter(|principal| !principal.as_str().is_empty());
     if principal.is_none() && !config.anonymous && !config.unscoped {
         shared.answered(RequestOutcome::PrincipalMissing);
         return Err(PrincipalMissing);
