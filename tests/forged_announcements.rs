@@ -409,3 +409,39 @@ async fn pubsub_client_moves_an_announcement(secret: Option<&'static [u8]>) {
     }
     the_duplicate_answers_its_own_original(&handler, (original, duplicate), 2).await;
 }
+
+/// Two deployments on two databases of one Redis server, given the same prefix and the
+/// same secret: Redis relays messages across its databases, so a payment completed on one
+/// is announced, signed, on the very channel where the other's duplicate waits. The
+/// signature covers the database: the duplicate does not take the record, and answers its
+/// own original's response.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn redis_a_deployment_on_another_database_cannot_answer_a_waiter() {
+    let server = RedisServer::start();
+    let prefix = support::unique_prefix("databases");
+    let open = |database: u32| {
+        let url = format!("redis://127.0.0.1:{}/{database}", server.port());
+        let prefix = prefix.clone();
+        async move {
+            let store = RedisStore::open(&url).await.unwrap().prefix(prefix);
+            Arc::new(store.announce_signed_records(b"the secret both deployments were given"))
+        }
+    };
+    let handler = Handler::default();
+    let (app_a, app_b) = apps(open(1).await, open(1).await, &handler);
+    let elsewhere = Handler::default();
+    let other: Arc<dyn Store> = open(2).await;
+    let app_elsewhere = router(&elsewhere, layer(&other));
+
+    let key = "5d7c1a8e-2b7e-4d0e-9a51-0f6f3c1b2a77";
+    let original = spawn_send(&app_a, post_waiting(key).body("amount=100"));
+    until_executing(&handler, 1).await;
+    let duplicate = spawn_send(&app_b, post("/pay").key(key).body("amount=100"));
+    still_waiting(&duplicate).await;
+    // The same request on the other deployment executes there and is announced, signed.
+    let there = send(&app_elsewhere, post("/pay").key(key).body("amount=100")).await;
+    there.assert_executed();
+    assert_eq!(elsewhere.executions(), 1);
+    the_duplicate_answers_its_own_original(&handler, (original, duplicate), 1).await;
+}

@@ -264,6 +264,9 @@ pub struct RedisStore {
     /// Signs the records completions' messages carry
     /// ([`RedisStore::announce_signed_records`]).
     signer: Option<Arc<Signer>>,
+    /// The database the keys are in, as far as the store knows it (0 otherwise), which
+    /// signatures cover: Redis relays messages across its databases.
+    database: i64,
 }
 
 /// Where the commands go, batched into pipelines.
@@ -324,7 +327,9 @@ impl RedisStore {
     pub async fn from_client(client: redis::Client) -> Result<Self, RedisStoreError> {
         let connection =
             ConnectionManager::new_with_config(client.clone(), manager_config()).await?;
-        Ok(Self::new(connection).subscribing(Source::Servers(vec![client])))
+        let database = client.get_connection_info().redis_settings().db();
+        let store = Self::new(connection).subscribing(Source::Servers(vec![client]));
+        Ok(Self { database, ..store })
     }
 
     /// A store on a connection the application already has (its response timeout and
@@ -428,6 +433,7 @@ impl RedisStore {
             subscriber: None,
             announce: false,
             signer: None,
+            database: 0,
         }
     }
 
@@ -523,9 +529,14 @@ impl RedisStore {
     /// A record is carried when it takes at most 1 KiB, or at most 64 KiB and somebody
     /// on the key's node listens; a larger one is read once per instance. The signature
     /// covers the key's channel, the claim that ended, the record with its expiry and the
-    /// time of signing: a message moved to another key, made up, or changed does not
-    /// verify, and one published again more than a minute after its signing (by the
-    /// instances' clocks) is not taken. Within that minute, a captured message could
+    /// time of signing, and the database number the store was opened on ([`open`]'s URL,
+    /// [`from_client`]'s client; 0 for a cluster, a store made with [`new`] or from a
+    /// Sentinel client): a message moved to another key, made up, or changed does not
+    /// verify, nor one from a deployment on another database of the same server (Redis
+    /// relays messages across databases), and one published again more than a minute
+    /// after its signing (by the instances' clocks) is not taken. Deployments that share
+    /// a server and a database number that the store does not know (a Sentinel client's,
+    /// a connection's) need secrets or [prefixes](Self::prefix) of their own. Within that minute, a captured message could
     /// reach only waiters of the same key, and only of a claim made after the record's key
     /// was deleted early. Anything that does not verify only wakes the waiters to read.
     ///
@@ -549,8 +560,12 @@ impl RedisStore {
     /// # Ok(())
     /// # }
     /// ```
+    ///
+    /// [`open`]: Self::open
+    /// [`from_client`]: Self::from_client
+    /// [`new`]: Self::new
     pub fn announce_signed_records(mut self, secret: impl AsRef<[u8]>) -> Self {
-        let signer = Arc::new(Signer::new(secret.as_ref()));
+        let signer = Arc::new(Signer::new(secret.as_ref(), self.database));
         if let Some(subscriber) = &self.subscriber {
             subscriber.verify_with(Arc::clone(&signer));
         }

@@ -4,9 +4,10 @@
 //! Anyone allowed to publish can send a message on a key's channel, and Redis tells a
 //! subscriber nothing of who did. So a record in a message is taken only with a signature
 //! that proves a store holding the secret wrote it: HMAC-SHA-256 under the secret, over the
-//! channel (so the key: a message moved to another key's channel does not verify), the
-//! token of the claim that ended, the value as stored (the record and its expiry) and the
-//! time of signing. A waiter takes it only within a minute of that time, by its own clock,
+//! database (Redis relays messages across its databases: one deployment's records must not
+//! verify for another's on the same server), the channel (so the key: a message moved to
+//! another key's channel does not verify), the token of the claim that ended, the value as
+//! stored (the record and its expiry) and the time of signing. A waiter takes it only within a minute of that time, by its own clock,
 //! and before the record expires; anything else only wakes it to read the key.
 
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -27,13 +28,19 @@ const FRESH_MS: u64 = 60_000;
 /// Sets these signatures apart from any other use of the secret.
 const LABEL: &[u8] = b"tower-idempotency announced record\0";
 
-/// The secret, prepared once.
-pub(super) struct Signer(Hmac<Sha256>);
+/// The secret, prepared once, for the keys of one database.
+pub(super) struct Signer {
+    mac: Hmac<Sha256>,
+    database: i64,
+}
 
 impl Signer {
-    pub(super) fn new(secret: &[u8]) -> Self {
-        // HMAC takes a key of any length.
-        Self(Hmac::new_from_slice(secret).unwrap_or_else(|_| unreachable!()))
+    pub(super) fn new(secret: &[u8], database: i64) -> Self {
+        Self {
+            // HMAC takes a key of any length.
+            mac: Hmac::new_from_slice(secret).unwrap_or_else(|_| unreachable!()),
+            database,
+        }
     }
 
     /// What a completion's message carries after the token and the value, signed now.
@@ -81,8 +88,9 @@ impl Signer {
     }
 
     fn mac(&self, channel: &str, token: ClaimToken, value: &[u8], signed_at: u64) -> Hmac<Sha256> {
-        let mut mac = self.0.clone();
+        let mut mac = self.mac.clone();
         mac.update(LABEL);
+        mac.update(&self.database.to_be_bytes());
         mac.update(&(channel.len() as u64).to_be_bytes());
         mac.update(channel.as_bytes());
         mac.update(token.as_bytes());
@@ -113,7 +121,7 @@ mod tests {
 
     #[test]
     fn a_record_signed_with_the_secret_opens_on_its_channel_for_its_claim() {
-        let signer = Signer::new(b"secret");
+        let signer = Signer::new(b"secret", 0);
         let (token, now) = (ClaimToken::unique(), unix_millis());
         let message = signed(&signer, now, token, b"the value");
         assert_eq!(message.len(), 9 + SIGNATURE_LEN);
@@ -127,17 +135,19 @@ mod tests {
             Some(b"the value".to_vec())
         );
         // Another instance with the same secret verifies it too.
-        let same = Signer::new(b"secret");
+        let same = Signer::new(b"secret", 0);
         assert!(open(&same, CHANNEL, token, &message).is_some());
         // Another secret, another key's channel, another claim: refused.
-        assert!(open(&Signer::new(b"other"), CHANNEL, token, &message).is_none());
+        assert!(open(&Signer::new(b"other", 0), CHANNEL, token, &message).is_none());
+        // The same secret for the keys of another database, on the same server's channels.
+        assert!(open(&Signer::new(b"secret", 1), CHANNEL, token, &message).is_none());
         assert!(open(&signer, "idempotency-ended:01{a}", token, &message).is_none());
         assert!(open(&signer, CHANNEL, ClaimToken::unique(), &message).is_none());
     }
 
     #[test]
     fn a_changed_or_short_message_is_refused() {
-        let signer = Signer::new(b"secret");
+        let signer = Signer::new(b"secret", 0);
         let (token, now) = (ClaimToken::unique(), unix_millis());
         let message = signed(&signer, now, token, b"the value");
         for at in 0..message.len() {
@@ -162,7 +172,7 @@ mod tests {
 
     #[test]
     fn a_record_opens_only_while_fresh() {
-        let signer = Signer::new(b"secret");
+        let signer = Signer::new(b"secret", 0);
         let (token, now) = (ClaimToken::unique(), unix_millis());
         let at = |signed_at: u64| {
             let message = signed(&signer, signed_at, token, b"v");

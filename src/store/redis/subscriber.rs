@@ -590,7 +590,7 @@ mod tests {
         let value = value();
         let mut payload = token.as_bytes().to_vec();
         payload.extend_from_slice(&value);
-        payload.extend_from_slice(&Signer::new(secret).sign(channel, token, &value));
+        payload.extend_from_slice(&Signer::new(secret, 0).sign(channel, token, &value));
         payload
     }
 
@@ -618,7 +618,7 @@ mod tests {
     #[tokio::test]
     async fn a_record_is_handed_over_only_when_its_signature_checks() {
         let (channel, token) = ("idempotency-ended:aa{0}", ClaimToken::unique());
-        let signer = Signer::new(b"secret");
+        let signer = Signer::new(b"secret", 0);
         let genuine = signed(b"secret", channel, token);
         assert_eq!(reads_after(Some(&signer), channel, &genuine).await, 0);
         // Without the secret, signed by another, or for another key's channel: read.
@@ -634,7 +634,7 @@ mod tests {
     #[tokio::test]
     async fn a_payload_larger_than_a_store_sends_is_not_checked_and_only_wakes() {
         let (channel, token) = ("idempotency-ended:aa{0}", ClaimToken::unique());
-        let signer = Signer::new(b"secret");
+        let signer = Signer::new(b"secret", 0);
         let mut huge = token.as_bytes().to_vec();
         huge.resize(16 + ANNOUNCED_VALUE_MAX + SIGNATURE_LEN + 1, b'x');
         assert_eq!(reads_after(Some(&signer), channel, &huge).await, 1);
