@@ -49,7 +49,9 @@ struct Shard {
     /// execution, stays a sixth of the size (measured in BENCHMARKS.md).
     records: Table<String, Box<Entry>>,
     sweep_at_len: usize,
-    /// When a shard at its bound is next swept for room (`None`: at once).
+    /// When a shard at its bound is next swept for room (`None`: at once): once an eighth
+    /// of what its last sweep kept has expired, or any record written since, whichever
+    /// comes first.
     full_sweep_at: Option<Instant>,
 }
 
@@ -183,6 +185,13 @@ impl Shard {
         self.sweep_at_len = (self.records.len() * 2).max(MIN_SWEEP_LEN);
     }
 
+    /// A record now expires at `at`: a full shard is swept for room no later.
+    fn expires(&mut self, at: Instant) {
+        if let Some(sweep_at) = &mut self.full_sweep_at {
+            *sweep_at = (*sweep_at).min(at);
+        }
+    }
+
     /// Whether a shard at its bound of `max` records has room for one more once swept
     /// of its expired records, sweeping it only when enough may have expired since its
     /// last sweep for room: the growth rule alone never sweeps a shard held below it.
@@ -249,14 +258,16 @@ impl Store for MemoryStore {
             return Err(Error::Unavailable("memory store is full".into()));
         }
         let record = Record::InProgress { fingerprint, token };
+        let expires_at = now + lease;
         let entry = Entry {
             record,
             token,
-            expires_at: now + lease,
+            expires_at,
         };
         shard
             .records
             .insert(key, || scope.storage_key().to_owned(), Box::new(entry));
+        shard.expires(expires_at);
         Ok(Claim::Claimed(token))
     }
 
@@ -278,6 +289,7 @@ impl Store for MemoryStore {
                     response: response.clone(),
                 };
                 entry.expires_at = now + ttl;
+                shard.expires(now + ttl);
                 drop(shard);
                 let completed = || Claim::Completed {
                     fingerprint,
@@ -438,5 +450,58 @@ mod tests {
         assert_eq!(shard.records.len(), 16);
         assert!(shard.make_room(now + Duration::from_secs(11), 16));
         assert_eq!(shard.records.len(), 14);
+        // A record written since that expires sooner brings the next sweep forward.
+        let at = now + Duration::from_secs(11);
+        // One of the fourteen kept: the first to expire.
+        assert_eq!(shard.full_sweep_at, Some(at + Duration::from_secs(1)));
+        shard.expires(at + Duration::from_millis(1));
+        assert_eq!(shard.full_sweep_at, Some(at + Duration::from_millis(1)));
+    }
+
+    /// Records of a short lease written into shards last swept for long-lived ones are
+    /// swept for room as they expire, not when the long-lived ones would have.
+    #[tokio::test]
+    async fn a_full_store_sweeps_for_short_records_written_after_long_ones() {
+        let store = MemoryStore::new().max_records(SHARDS);
+        let fingerprint = Fingerprint::from_bytes([0; 32]);
+        let week = Duration::from_secs(7 * 24 * 3600);
+        let mut held = Vec::new();
+        for i in 0..400 {
+            let scope = scope(&format!("long{i}"));
+            if let Ok(Claim::Claimed(token)) = store.claim(&scope, fingerprint, week).await {
+                held.push((scope, token));
+            }
+        }
+        assert_eq!(held.len(), SHARDS, "a week-long claim in every shard");
+        // Refused in every shard, each swept and due again in a week.
+        for i in 0..400 {
+            let refused = scope(&format!("refused{i}"));
+            assert!(store.claim(&refused, fingerprint, week).await.is_err());
+        }
+        let soon = Instant::now() + Duration::from_secs(3600);
+        for shard in store.inner.shards.each() {
+            assert!(shard.full_sweep_at.is_some_and(|at| at > soon));
+        }
+        // The week-long claims end; claims of 20 ms fill the shards again and expire.
+        for (scope, token) in &held {
+            let released = store.release(scope, *token).await.unwrap();
+            assert_eq!(released, Fenced::Applied);
+        }
+        for i in 0..400 {
+            let short = scope(&format!("short{i}"));
+            let _ = store
+                .claim(&short, fingerprint, Duration::from_millis(20))
+                .await;
+        }
+        assert_eq!(store.len(), SHARDS);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Each shard takes one new key in place of its expired record.
+        let mut taken = 0;
+        for i in 0..400 {
+            let new = scope(&format!("new{i}"));
+            let claim = store.claim(&new, fingerprint, Duration::from_secs(60));
+            taken += usize::from(claim.await.is_ok());
+        }
+        assert_eq!(taken, SHARDS);
     }
 }
