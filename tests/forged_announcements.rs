@@ -19,8 +19,12 @@ use axum::http::StatusCode;
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
 use tower_idempotency::{
-    redis, Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore, Record, RedisStore, Scope,
-    Store, StoredResponse,
+    redis::{
+        self,
+        sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType},
+    },
+    Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore, Record, RedisStore, Scope, Store,
+    StoredResponse,
 };
 
 use support::{app::*, redis_server::RedisServer};
@@ -420,18 +424,53 @@ async fn pubsub_client_moves_an_announcement(secret: Option<&'static [u8]>) {
 async fn redis_a_deployment_on_another_database_cannot_answer_a_waiter() {
     let server = RedisServer::start();
     let prefix = support::unique_prefix("databases");
-    let open = |database: u32| {
+    another_database_cannot_answer_a_waiter(|database| {
         let url = format!("redis://127.0.0.1:{}/{database}", server.port());
         let prefix = prefix.clone();
+        async move { RedisStore::open(&url).await.unwrap().prefix(prefix) }
+    })
+    .await;
+}
+
+/// The same through Sentinel, with clients the application configured for each database.
+#[tokio::test]
+#[ignore = "needs a Sentinel set: scripts/test.sh"]
+async fn sentinel_a_deployment_on_another_database_cannot_answer_a_waiter() {
+    let urls = support::urls_from("REDIS_SENTINEL_URLS");
+    let master = std::env::var("REDIS_SENTINEL_MASTER").expect("REDIS_SENTINEL_MASTER");
+    let prefix = support::unique_prefix("sentinel-databases");
+    another_database_cannot_answer_a_waiter(|database| {
+        let node = SentinelNodeConnectionInfo::default()
+            .set_redis_connection_info(redis::RedisConnectionInfo::default().set_db(database));
+        let client = SentinelClient::build(
+            urls.clone(),
+            master.clone(),
+            Some(node),
+            SentinelServerType::Master,
+        )
+        .unwrap();
+        let prefix = prefix.clone();
         async move {
-            let store = RedisStore::open(&url).await.unwrap().prefix(prefix);
-            Arc::new(store.announce_signed_records(b"the secret both deployments were given"))
+            let store = RedisStore::from_sentinel_client(client).await.unwrap();
+            store.prefix(prefix)
         }
+    })
+    .await;
+}
+
+/// The attack of the two tests above, on stores that `open` makes for a database.
+async fn another_database_cannot_answer_a_waiter<F, O>(open: F)
+where
+    F: Fn(i64) -> O,
+    O: std::future::Future<Output = RedisStore>,
+{
+    let signed = |store: RedisStore| {
+        Arc::new(store.announce_signed_records(b"the secret both deployments were given"))
     };
     let handler = Handler::default();
-    let (app_a, app_b) = apps(open(1).await, open(1).await, &handler);
+    let (app_a, app_b) = apps(signed(open(1).await), signed(open(1).await), &handler);
     let elsewhere = Handler::default();
-    let other: Arc<dyn Store> = open(2).await;
+    let other: Arc<dyn Store> = signed(open(2).await);
     let app_elsewhere = router(&elsewhere, layer(&other));
 
     let key = "5d7c1a8e-2b7e-4d0e-9a51-0f6f3c1b2a77";

@@ -417,9 +417,11 @@ impl RedisStore {
     /// the master ([`SentinelServerType::Master`]): the store writes.
     pub async fn from_sentinel_client(client: SentinelClient) -> Result<Self, RedisStoreError> {
         let primary = Primary::sentinel(client, manager_config()).await?;
+        let database = primary.database();
         let commands = AutoPipeline::new(primary);
         let source = Source::Sentinel(Arc::clone(commands.sink()));
-        Ok(Self::with(Commands::Node(commands)).subscribing(source))
+        let store = Self::with(Commands::Node(commands)).subscribing(source);
+        Ok(Self { database, ..store })
     }
 
     fn with(commands: Commands) -> Self {
@@ -530,13 +532,13 @@ impl RedisStore {
     /// on the key's node listens; a larger one is read once per instance. The signature
     /// covers the key's channel, the claim that ended, the record with its expiry and the
     /// time of signing, and the database number the store was opened on ([`open`]'s URL,
-    /// [`from_client`]'s client; 0 for a cluster, a store made with [`new`] or from a
-    /// Sentinel client): a message moved to another key, made up, or changed does not
-    /// verify, nor one from a deployment on another database of the same server (Redis
-    /// relays messages across databases), and one published again more than a minute
-    /// after its signing (by the instances' clocks) is not taken. Deployments that share
-    /// a server and a database number that the store does not know (a Sentinel client's,
-    /// a connection's) need secrets or [prefixes](Self::prefix) of their own. Within that minute, a captured message could
+    /// the client's of [`from_client`] and [`from_sentinel_client`]; 0 for a cluster, which
+    /// has no other, and for a store made with [`new`]): a message moved to another key,
+    /// made up, or changed does not verify, nor one from a deployment on another database
+    /// of the same server (Redis relays messages across databases), and one published
+    /// again more than a minute after its signing (by the instances' clocks) is not taken.
+    /// Deployments that share a server through connections made with [`new`], which do not
+    /// tell their database, need secrets or [prefixes](Self::prefix) of their own. Within that minute, a captured message could
     /// reach only waiters of the same key, and only of a claim made after the record's key
     /// was deleted early. Anything that does not verify only wakes the waiters to read.
     ///
@@ -564,6 +566,7 @@ impl RedisStore {
     /// [`open`]: Self::open
     /// [`from_client`]: Self::from_client
     /// [`new`]: Self::new
+    /// [`from_sentinel_client`]: Self::from_sentinel_client
     pub fn announce_signed_records(mut self, secret: impl AsRef<[u8]>) -> Self {
         let signer = Arc::new(Signer::new(secret.as_ref(), self.database));
         if let Some(subscriber) = &self.subscriber {

@@ -31,6 +31,9 @@ const RESOLVE_INTERVAL: Duration = Duration::from_millis(100);
 pub(super) struct Primary {
     connection: RwLock<Current>,
     sentinel: Option<Follower>,
+    /// The database of the primary's client (0 for a fixed server's connection, which does
+    /// not tell).
+    database: i64,
 }
 
 struct Current {
@@ -55,6 +58,7 @@ impl Primary {
                 address: None,
             }),
             sentinel: None,
+            database: 0,
         }
     }
 
@@ -65,6 +69,7 @@ impl Primary {
     ) -> RedisResult<Self> {
         let primary = client.async_get_client().await?;
         let address = primary.get_connection_info().addr().clone();
+        let database = primary.get_connection_info().redis_settings().db();
         let connection = ConnectionManager::new_with_config(primary, config.clone()).await?;
         Ok(Self {
             connection: RwLock::new(Current {
@@ -76,7 +81,13 @@ impl Primary {
                 config,
                 resolving: AtomicBool::new(false),
             }),
+            database,
         })
+    }
+
+    /// The database the keys are in, as far as the client tells.
+    pub(super) fn database(&self) -> i64 {
+        self.database
     }
 
     /// A client for the primary the sentinels name now (for a connection of another kind
