@@ -46,6 +46,7 @@ for_each_store!(
     server_errors_release_and_client_errors_are_recorded,
     inner_service_error_releases_the_key,
     completed_records_expire_after_their_ttl,
+    a_record_is_kept_for_its_ttl_from_its_completion,
     lease_is_renewed_while_the_handler_runs,
     lease_is_renewed_while_the_response_body_streams,
     completing_twice_with_one_token_is_harmless,
@@ -471,6 +472,22 @@ async fn completed_records_expire_after_their_ttl(store: Arc<dyn Store>) {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!send(&app, post("/pay").key("t")).await.replayed());
     assert_eq!(handler.executions(), 2);
+}
+
+/// The TTL counts from the completion, not the claim: a handler that ran longer than the
+/// TTL is still replayed to a retry right after it.
+async fn a_record_is_kept_for_its_ttl_from_its_completion(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).ttl(Duration::from_millis(1000)));
+    let slow = || {
+        post("/pay")
+            .key("ttl-from-end")
+            .header("x-sleep-ms", "1500")
+    };
+    send(&app, slow()).await.assert_executed();
+    let retry = send(&app, slow()).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(handler.executions(), 1);
 }
 
 async fn lease_is_renewed_while_the_handler_runs(store: Arc<dyn Store>) {

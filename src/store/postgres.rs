@@ -1020,12 +1020,15 @@ impl Table {
         // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms, $10 payload, $11
         // resource id. A row this token already completed counts as held while it lives, so
         // a completion whose reply was lost can be retried (keeping the replays counted
-        // since); once expired (purged or not) it is gone.
+        // since); once expired (purged or not) it is gone. Completed, and kept for its TTL,
+        // from the clock's time, not `now()`: in the transactional mode the statement runs
+        // in the execution's transaction, whose `now()` is when it began, at the claim.
         let completing = format!(
             "WITH done AS (
 UPDATE {name} SET status = 'completed', request_hash = $5, status_code = $6,
-    response_headers = $7, response_body = $8, completed_at = now(), locked_until = NULL,
-    expires_at = now() + $9::bigint * interval '1 millisecond', resource_id = $11,
+    response_headers = $7, response_body = $8, completed_at = clock_timestamp(),
+    locked_until = NULL,
+    expires_at = clock_timestamp() + $9::bigint * interval '1 millisecond', resource_id = $11,
     replay_count = CASE WHEN status = 'completed' THEN replay_count ELSE 0 END,
     last_replayed_at = CASE WHEN status = 'completed' THEN last_replayed_at END
 WHERE {scope} AND claim_token = $4
