@@ -355,3 +355,76 @@ async fn the_payments_example_lets_a_double_tap_wait() {
     assert_eq!(second.assert_payment(700, "usd"), id);
     assert_eq!(api.stats().await.payments_executed, 1);
 }
+
+/// A duplicate keeps its bound when its store cannot start watching: a PostgreSQL store
+/// whose new connections (the one it listens on among them) reach a server that accepts
+/// them and never answers, as behind a proxy out of connections, while its pool's
+/// connections still work. The duplicate answers at its bound, not when the listening
+/// connection gives up.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn postgres_a_waiter_keeps_its_bound_when_no_listening_connection_answers() {
+    let config: tokio_postgres::Config = support::database_url().parse().unwrap();
+    let upstream = match (&config.get_hosts()[0], config.get_ports().first()) {
+        (tokio_postgres::config::Host::Tcp(host), port) => {
+            format!("{host}:{}", port.copied().unwrap_or(5432))
+        }
+        _ => panic!("DATABASE_URL must name a TCP host"),
+    };
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = proxy.local_addr().unwrap().port();
+    let forwarding = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    tokio::spawn({
+        let forwarding = forwarding.clone();
+        async move {
+            let mut unanswered = Vec::new();
+            loop {
+                let (mut client, _) = proxy.accept().await.unwrap();
+                if forwarding.load(std::sync::atomic::Ordering::SeqCst) {
+                    let mut server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+                    tokio::spawn(async move {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    });
+                } else {
+                    unanswered.push(client);
+                }
+            }
+        }
+    });
+    let url = format!(
+        "host=127.0.0.1 port={port} user={} dbname={}{}",
+        config.get_user().unwrap_or("postgres"),
+        config.get_dbname().unwrap_or("postgres"),
+        match config.get_password() {
+            Some(password) => format!(" password={}", String::from_utf8_lossy(password)),
+            None => String::new(),
+        }
+    );
+    let store = PostgresStore::connect(&url).await.unwrap();
+    let store: Arc<dyn Store> = Arc::new(support::on_own_table(store).await.announce_outcomes());
+    let handler = Handler::default();
+    let app = router(
+        &handler,
+        layer(&store).wait_for_original(Duration::from_millis(300)),
+    );
+    // The pool's connections are open; from now on, no new one is answered.
+    for key in ["warm-1", "warm-2", "warm-3"] {
+        send(&app, post("/pay").key(key)).await.assert_executed();
+    }
+    forwarding.store(false, std::sync::atomic::Ordering::SeqCst);
+
+    let original = spawn_send(&app, post_waiting("held"));
+    until_executing(&handler, 4).await;
+    let asked = std::time::Instant::now();
+    let duplicate = send(&app, post("/pay").key("held")).await;
+    let waited = asked.elapsed();
+    assert_eq!(duplicate.error(), "request_in_progress");
+    // The bound is 300 ms; the listening connection would give up after 2 s.
+    assert!(
+        waited < Duration::from_millis(1500),
+        "answered after {waited:?}"
+    );
+    handler.gate.add_permits(1);
+    assert_eq!(original.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(handler.executions(), 4);
+}

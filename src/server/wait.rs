@@ -90,8 +90,10 @@ where
 {
     let deadline = Instant::now() + bound;
     // Made before the key is read again, so that nothing announced after that read is
-    // missed. A store that cannot watch now is polled.
-    let mut watch = store.watch(scope).await.ok().flatten();
+    // missed. A store that cannot watch now is polled; one slow to start watching (a
+    // listening connection that does not open) does not hold the waiter past its bound.
+    let watching = tokio::time::timeout_at(deadline, store.watch(scope)).await;
+    let mut watch = watching.ok().and_then(Result::ok).flatten();
     let mut poll = FIRST_POLL;
     let mut announced = false;
     loop {
