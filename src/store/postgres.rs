@@ -132,7 +132,8 @@ pub enum PostgresStoreError {
     Config(String),
     /// A schema or table name that is not a plain SQL identifier.
     #[error(
-        "invalid SQL identifier {0:?}: use 1 to 63 of a-z, 0-9 and _, not starting with a digit"
+        "invalid SQL identifier {0:?}: use 1 to 63 of a-z, 0-9 and _, not starting with a digit, \
+         and not a reserved word"
     )]
     InvalidIdentifier(String),
     /// [`PostgresStore::migrate`] had a change to make, but the table stayed locked (by a
@@ -267,7 +268,8 @@ impl PostgresStore {
     }
 
     /// Uses `schema.table` instead of `public.idempotency_keys`. Both must be plain SQL
-    /// identifiers (`[a-z_][a-z0-9_]*`, at most 63 bytes).
+    /// identifiers (`[a-z_][a-z0-9_]*`, at most 63 bytes) that PostgreSQL does not reserve
+    /// (not `user`, `order`, `table`...).
     ///
     /// # Example
     ///
@@ -891,13 +893,33 @@ fn validate_identifier(name: &str) -> Result<(), PostgresStoreError> {
         && chars
             .next()
             .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
-        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && !RESERVED.contains(&name);
     if valid {
         Ok(())
     } else {
         Err(PostgresStoreError::InvalidIdentifier(name.to_owned()))
     }
 }
+
+/// The key words PostgreSQL reserves, including those it allows only as function or type
+/// names: as a table or schema name, unquoted, each makes every statement fail.
+#[rustfmt::skip]
+const RESERVED: [&str; 101] = [
+    "all", "analyse", "analyze", "and", "any", "array", "as", "asc", "asymmetric",
+    "authorization", "binary", "both", "case", "cast", "check", "collate", "collation",
+    "column", "concurrently", "constraint", "create", "cross", "current_catalog",
+    "current_date", "current_role", "current_schema", "current_time", "current_timestamp",
+    "current_user", "default", "deferrable", "desc", "distinct", "do", "else", "end",
+    "except", "false", "fetch", "for", "foreign", "freeze", "from", "full", "grant",
+    "group", "having", "ilike", "in", "initially", "inner", "intersect", "into", "is",
+    "isnull", "join", "lateral", "leading", "left", "like", "limit", "localtime",
+    "localtimestamp", "natural", "not", "notnull", "null", "offset", "on", "only", "or",
+    "order", "outer", "overlaps", "placing", "primary", "references", "returning", "right",
+    "select", "session_user", "similar", "some", "symmetric", "system_user", "table",
+    "tablesample", "then", "to", "trailing", "true", "union", "unique", "user", "using",
+    "variadic", "verbose", "when", "where", "window", "with",
+];
 
 /// The longest identifier PostgreSQL keeps whole, in bytes; it cuts longer ones.
 const MAX_IDENTIFIER: usize = 63;
@@ -1484,8 +1506,15 @@ mod tests {
             "a;drop",
             "\"q\"",
             &"a".repeat(64),
+            "user",
+            "order",
+            "table",
         ] {
             assert!(validate_identifier(bad).is_err(), "{bad}");
+        }
+        // Only the reserved words themselves: names that contain one are plain.
+        for good in ["users", "user_keys", "orders", "tables"] {
+            assert!(validate_identifier(good).is_ok(), "{good}");
         }
     }
 }
