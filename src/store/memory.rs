@@ -177,11 +177,18 @@ impl Shard {
         if self.records.len() < self.sweep_at_len {
             return;
         }
-        self.sweep(now);
+        self.sweep(now, |_| {});
     }
 
-    fn sweep(&mut self, now: Instant) {
-        self.records.retain(|entry| entry.expires_at > now);
+    /// Drops the expired records, telling `kept` when each one it keeps expires.
+    fn sweep(&mut self, now: Instant, mut kept: impl FnMut(Instant)) {
+        self.records.retain(|entry| {
+            let live = entry.expires_at > now;
+            if live {
+                kept(entry.expires_at);
+            }
+            live
+        });
         self.sweep_at_len = (self.records.len() * 2).max(MIN_SWEEP_LEN);
     }
 
@@ -198,22 +205,22 @@ impl Shard {
     #[cold]
     fn make_room(&mut self, now: Instant, max: usize) -> bool {
         if self.full_sweep_at.is_none_or(|at| now >= at) {
-            self.sweep(now);
-            self.full_sweep_at = self.eighth_expired_at();
+            let mut expiries = Vec::with_capacity(self.records.len());
+            self.sweep(now, |at| expiries.push(at));
+            self.full_sweep_at = eighth_expired_at(expiries);
         }
         self.records.len() < max
     }
+}
 
-    /// When an eighth of the records (at least one) will have expired, unless renewed or
-    /// completed meanwhile; `None` for an empty shard.
-    fn eighth_expired_at(&self) -> Option<Instant> {
-        let mut expiries: Vec<Instant> = self.records.values().map(|e| e.expires_at).collect();
-        if expiries.is_empty() {
-            return None;
-        }
-        let nth = (expiries.len() / 8).max(1) - 1;
-        Some(*expiries.select_nth_unstable(nth).1)
+/// When an eighth of the records that expire at `expiries` (at least one) will have
+/// expired, unless renewed or completed meanwhile; `None` for no record.
+fn eighth_expired_at(mut expiries: Vec<Instant>) -> Option<Instant> {
+    if expiries.is_empty() {
+        return None;
     }
+    let nth = (expiries.len() / 8).max(1) - 1;
+    Some(*expiries.select_nth_unstable(nth).1)
 }
 
 #[async_trait]
@@ -288,8 +295,9 @@ impl Store for MemoryStore {
                     fingerprint,
                     response: response.clone(),
                 };
-                entry.expires_at = now + ttl;
-                shard.expires(now + ttl);
+                let expires_at = now + ttl;
+                entry.expires_at = expires_at;
+                shard.expires(expires_at);
                 drop(shard);
                 let completed = || Claim::Completed {
                     fingerprint,
@@ -391,15 +399,7 @@ mod tests {
     async fn a_full_store_makes_room_as_its_records_expire() {
         let store = MemoryStore::new().max_records(SHARDS);
         let fingerprint = Fingerprint::from_bytes([0; 32]);
-        for i in 0..400 {
-            let _ = store
-                .claim(
-                    &scope(&format!("old{i}")),
-                    fingerprint,
-                    Duration::from_millis(20),
-                )
-                .await;
-        }
+        claim_each(&store, "old", 400, Duration::from_millis(20)).await;
         assert_eq!(store.len(), SHARDS, "every shard full");
         tokio::time::sleep(Duration::from_millis(50)).await;
         for i in 0..200 {
@@ -474,10 +474,7 @@ mod tests {
         }
         assert_eq!(held.len(), SHARDS, "a week-long claim in every shard");
         // Refused in every shard, each swept and due again in a week.
-        for i in 0..400 {
-            let refused = scope(&format!("refused{i}"));
-            assert!(store.claim(&refused, fingerprint, week).await.is_err());
-        }
+        assert_eq!(claim_each(&store, "refused", 400, week).await, 0);
         let soon = Instant::now() + Duration::from_secs(3600);
         for shard in store.inner.shards.each() {
             assert!(shard.full_sweep_at.is_some_and(|at| at > soon));
@@ -487,21 +484,22 @@ mod tests {
             let released = store.release(scope, *token).await.unwrap();
             assert_eq!(released, Fenced::Applied);
         }
-        for i in 0..400 {
-            let short = scope(&format!("short{i}"));
-            let _ = store
-                .claim(&short, fingerprint, Duration::from_millis(20))
-                .await;
-        }
+        claim_each(&store, "short", 400, Duration::from_millis(20)).await;
         assert_eq!(store.len(), SHARDS);
         tokio::time::sleep(Duration::from_millis(50)).await;
         // Each shard takes one new key in place of its expired record.
-        let mut taken = 0;
-        for i in 0..400 {
-            let new = scope(&format!("new{i}"));
-            let claim = store.claim(&new, fingerprint, Duration::from_secs(60));
-            taken += usize::from(claim.await.is_ok());
-        }
+        let taken = claim_each(&store, "new", 400, Duration::from_secs(60)).await;
         assert_eq!(taken, SHARDS);
+    }
+
+    /// Claims `count` keys, `prefix` and a number, each for `lease`: how many it took.
+    async fn claim_each(store: &MemoryStore, prefix: &str, count: usize, lease: Duration) -> usize {
+        let fingerprint = Fingerprint::from_bytes([0; 32]);
+        let mut taken = 0;
+        for i in 0..count {
+            let scope = scope(&format!("{prefix}{i}"));
+            taken += usize::from(store.claim(&scope, fingerprint, lease).await.is_ok());
+        }
+        taken
     }
 }

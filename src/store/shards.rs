@@ -138,12 +138,6 @@ impl<K: Borrow<str>, V> Table<K, V> {
         Some(found.remove().0.value)
     }
 
-    /// Every value, in no order.
-    #[cfg(feature = "memory")]
-    pub(crate) fn values(&self) -> impl Iterator<Item = &V> {
-        self.slots.iter().map(|slot| &slot.value)
-    }
-
     #[cfg(any(test, feature = "memory"))]
     /// Keeps only the values `keep` returns true for.
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(&V) -> bool) {
