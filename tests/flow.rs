@@ -519,10 +519,7 @@ async fn lease_is_renewed_while_the_response_body_streams(store: Arc<dyn Store>)
             .key("streamed")
             .header("x-body-sleep-ms", "1000")
     };
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move { send(&app, streamed()).await }
-    });
+    let first = spawn_send(&app, streamed());
     // Past the first lease, and past twice it, while the body still streams: still held.
     for (wait, at) in [(500, 500), (300, 800)] {
         tokio::time::sleep(Duration::from_millis(wait)).await;
@@ -543,17 +540,8 @@ async fn lease_is_renewed_while_the_response_body_streams(store: Arc<dyn Store>)
 async fn a_panicking_response_body_releases_the_key(store: Arc<dyn Store>) {
     let handler = Handler::default();
     let app = router(&handler, layer(&store));
-    let outcome = tokio::spawn({
-        let app = app.clone();
-        async move {
-            send(
-                &app,
-                post("/pay").key("body-boom").header("x-body-panic", "1"),
-            )
-            .await
-        }
-    })
-    .await;
+    let panicking = post("/pay").key("body-boom").header("x-body-panic", "1");
+    let outcome = spawn_send(&app, panicking).await;
     assert!(outcome.unwrap_err().is_panic());
     send(&app, post("/pay").key("body-boom"))
         .await
