@@ -1339,3 +1339,58 @@ async fn response_bodies_need_not_be_unpin() {
     assert_eq!(after.status, StatusCode::CONFLICT);
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
+
+/// A gRPC response over `max_response_body` is recorded as not replayable once it passes
+/// the limit, before its trailers: a transient status in them (which releases the key of
+/// a response that fits) does not make the call run again. Its first client still gets
+/// every byte and the trailers.
+#[tokio::test]
+async fn an_oversized_grpc_response_is_never_executed_again_whatever_its_trailers() {
+    let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let service = tower::service_fn({
+        let calls = calls.clone();
+        move |request: Request<http_body_util::Full<Bytes>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let count: u8 = request.uri().path()[1..].parse().unwrap();
+            async move {
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", HeaderValue::from_static("14")); // UNAVAILABLE
+                let frames = (0..count)
+                    .map(|n| http_body::Frame::data(Bytes::from(vec![n; 100])))
+                    .chain([http_body::Frame::trailers(trailers)])
+                    .map(Ok::<_, std::convert::Infallible>);
+                let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+                Ok::<_, std::convert::Infallible>(Response::new(body))
+            }
+        }
+    });
+    let service = tower::ServiceBuilder::new()
+        .layer(layer(&store).max_response_body(500))
+        .service(service);
+    let request = |count: u8| {
+        Request::post(format!("/{count}"))
+            .header("content-type", "application/grpc")
+            .header("idempotency-key", format!("grpc-{count}"))
+            .body(http_body_util::Full::default())
+            .unwrap()
+    };
+    // Fits: the transient status releases the key, and the retry runs again.
+    for _ in 0..2 {
+        let small = service.clone().oneshot(request(3)).await.unwrap();
+        let small = small.into_body().collect().await.unwrap();
+        assert_eq!(small.trailers().unwrap()["grpc-status"], "14");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    // Too large: all of it reaches the first client, trailers included; the retry is
+    // refused, not executed.
+    let large = service.clone().oneshot(request(9)).await.unwrap();
+    let large = large.into_body().collect().await.unwrap();
+    assert_eq!(large.trailers().unwrap()["grpc-status"], "14");
+    assert_eq!(large.to_bytes().len(), 900);
+    let retry = service.oneshot(request(9)).await.unwrap();
+    assert_eq!(retry.headers()["grpc-status"], "9"); // FAILED_PRECONDITION
+    let message = retry.headers()["grpc-message"].to_str().unwrap();
+    assert!(message.starts_with("response_not_replayable"), "{message}");
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}

@@ -378,7 +378,10 @@ impl IdempotencyLayer {
     /// Default: the transient gRPC statuses
     /// ([`ResponseHead::is_transient_grpc_status`]), on gRPC requests; a replacement, which
     /// judges every response, calls it too to keep them. A released response still reaches
-    /// its client.
+    /// its client. A response larger than [`max_response_body`](Self::max_response_body)
+    /// is not buffered, so it is never judged here: it is recorded as not replayable once
+    /// the limit is passed, before its trailers arrive, and never executed again (a
+    /// transient gRPC status in those trailers included).
     ///
     /// # Example
     ///
