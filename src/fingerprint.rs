@@ -5,7 +5,10 @@ use std::fmt;
 use http::{header::VARY, request::Parts, HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
 
-/// SHA-256 over the method, path, query, configured headers and body of a request.
+use crate::percent_encoding::normalized;
+
+/// SHA-256 over the method, path, query, configured headers and body of a request (the
+/// path and query normalized: percent-encoded unreserved characters decoded).
 ///
 /// Every part is length-prefixed, so moving bytes between parts changes the fingerprint.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -37,8 +40,9 @@ impl Fingerprint {
             part(tag);
         }
         part(parts.method.as_str().as_bytes());
-        part(parts.uri.path().as_bytes());
-        part(parts.uri.query().unwrap_or("").as_bytes());
+        // As the scope reads it: one spelling of the path and of the query.
+        part(normalized(parts.uri.path()).as_bytes());
+        part(normalized(parts.uri.query().unwrap_or("")).as_bytes());
         for name in headers {
             part(name.as_str().as_bytes());
             // Counted, so that a value cannot pass for the next header's name.
@@ -218,6 +222,15 @@ mod tests {
             Fingerprint::of(&parts("/a", Some("t")), &[], b""),
             Fingerprint::of(&parts("/a", Some("u")), &[], b"")
         );
+    }
+
+    #[test]
+    fn spellings_of_one_path_and_query_share_a_fingerprint() {
+        let of = |uri| Fingerprint::of(&parts(uri, None), &[], b"body");
+        assert_eq!(of("/orders/1?a=b"), of("/orders/%31?%61=b"));
+        assert_eq!(of("/a%2fb"), of("/a%2Fb"));
+        assert_ne!(of("/a%2Fb"), of("/a/b"));
+        assert_ne!(of("/a?b=%2B"), of("/a?b=+"));
     }
 
     #[test]

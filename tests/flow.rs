@@ -1394,3 +1394,51 @@ async fn an_oversized_grpc_response_is_never_executed_again_whatever_its_trailer
     assert!(message.starts_with("response_not_replayable"), "{message}");
     assert_eq!(calls.load(Ordering::SeqCst), 3);
 }
+
+/// A retry whose path is spelled another way (`%31` for `1`, as a client or a proxy may
+/// encode it) reaches the same handler through the router, and so names the same record:
+/// replayed, not executed again. A path that differs in meaning (`%2F` is not `/`) stays
+/// another scope.
+#[tokio::test]
+async fn a_retry_with_its_path_spelled_another_way_replays() {
+    let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let calls = calls.clone();
+        move |axum::extract::Path(id): axum::extract::Path<String>| async move {
+            let call = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            (StatusCode::CREATED, format!("refund {call} of order {id}"))
+        }
+    };
+    let app = Router::new()
+        .route("/orders/{id}/refunds", routing::post(handler))
+        .layer(layer(&store));
+    let refund = |path: &str| {
+        Request::post(path)
+            .header("idempotency-key", "refund-1")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let first = read(
+        app.clone()
+            .oneshot(refund("/orders/1/refunds"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(first.body, "refund 1 of order 1");
+    for spelling in [
+        "/orders/%31/refunds",
+        "/%6Frders/1/refunds",
+        "/orders/1/%72efunds",
+    ] {
+        let retry = read(app.clone().oneshot(refund(spelling)).await.unwrap()).await;
+        assert!(retry.replayed(), "{spelling}: {:?}", retry.status);
+        assert_eq!(retry.body, first.body, "{spelling}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // Another order, whatever it is spelled like: its own record.
+    let other = read(app.oneshot(refund("/orders/a%2Fb/refunds")).await.unwrap()).await;
+    assert!(!other.replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}

@@ -6,7 +6,7 @@ use std::{ops::Range, sync::Arc};
 use http::request::Parts;
 
 use super::principal::Principal;
-use crate::IdempotencyKey;
+use crate::{percent_encoding::normalized, IdempotencyKey};
 
 /// How a request names its endpoint, the middle part of a key's scope.
 #[derive(Clone, Debug)]
@@ -25,14 +25,20 @@ pub(crate) fn of_request(
     principal: Option<&Principal>,
     key: IdempotencyKey,
 ) -> Scope {
-    let endpoint = endpoint_pieces(endpoint, parts);
-    Scope::from_parts(principal.map(Principal::as_str), &endpoint, key)
+    let [method, space, path] = endpoint_pieces(endpoint, parts);
+    let path = normalized(path);
+    Scope::from_parts(
+        principal.map(Principal::as_str),
+        &[method, space, &path],
+        key,
+    )
 }
 
 /// The endpoint a request is scoped to, whole: for the layer's answers to requests it
 /// refuses before their scope is built.
 pub(crate) fn endpoint_of(endpoint: &Endpoint, parts: &Parts) -> String {
-    endpoint_pieces(endpoint, parts).concat()
+    let [method, space, path] = endpoint_pieces(endpoint, parts);
+    [method, space, &normalized(path)].concat()
 }
 
 /// The endpoint part of a request's scope, in pieces: the layer's endpoint name, or
