@@ -25,7 +25,7 @@ use tower_idempotency::{
 };
 
 use futures_util::StreamExt;
-use support::{app::*, redis_topology::RedisCluster};
+use support::{app::*, redis_server::RedisServer, redis_topology::RedisCluster};
 
 /// Two instances of one store on the same records.
 struct Instances {
@@ -946,6 +946,96 @@ async fn redis_waiters_share_one_subscription_and_leave_none_behind() {
     eventually_zero(|| async { b.watched().await }).await;
     handler.gate.add_permits(1);
     original.await.unwrap();
+}
+
+/// How many clients `server` counts as connected (its `redis-cli` included).
+fn connected_clients(server: &RedisServer) -> usize {
+    let info = server.cli(&["INFO", "clients"]);
+    info.lines()
+        .find_map(|line| line.strip_prefix("connected_clients:"))
+        .and_then(|count| count.trim().parse().ok())
+        .expect("connected_clients in INFO")
+}
+
+/// Waits (bounded) for `server`'s connected clients to settle at or below `at_most`:
+/// connections close in the background.
+async fn clients_settle(server: &RedisServer, at_most: usize, what: &str) {
+    let mut now = connected_clients(server);
+    for _ in 0..50 {
+        if now <= at_most {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        now = connected_clients(server);
+    }
+    let list = server.cli(&["CLIENT", "LIST"]);
+    panic!("{now} clients connected {what}, at most {at_most} expected:\n{list}");
+}
+
+/// A subscription Redis refuses (an ACL user without channel rights, Redis 7's default for
+/// a new user) gives its pub/sub connection up whole: the waiters fall back on reading
+/// their keys, and no connection is left open per watch.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn redis_a_refused_subscription_leaves_no_connection_open() {
+    let server = RedisServer::start();
+    server.cli(&[
+        "ACL",
+        "SETUSER",
+        "app",
+        "on",
+        ">pw",
+        "~*",
+        "+@all",
+        "resetchannels",
+    ]);
+    let url = format!("redis://app:pw@127.0.0.1:{}/", server.port());
+    let store = RedisStore::open(&url).await.unwrap().announce_outcomes();
+    claim(&store, &scope("warm")).await;
+    let before = connected_clients(&server);
+    for n in 0..50 {
+        let refused = store.watch(&scope(&format!("k{n}"))).await.unwrap();
+        assert!(refused.is_none(), "the subscription is refused: no watch");
+    }
+    clients_settle(&server, before, "after 50 refused watches").await;
+}
+
+/// A `SUBSCRIBE` that Redis answers only after the store's timeout gives the connection
+/// up whole, and the store connects again afterwards: a watch made before the stall is
+/// still woken by another instance's completion, and each stall leaves no connection open.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn redis_a_subscription_answered_late_leaves_no_connection_open() {
+    let server = RedisServer::start();
+    let a = RedisStore::open(&server.url()).await.unwrap();
+    let b = RedisStore::open(&server.url()).await.unwrap();
+    let (a, b) = announcing(a, b);
+    let held = scope("held");
+    let token = claim(&a, &held).await;
+    let mut kept = watch(&b, &held).await;
+    let before = connected_clients(&server);
+    for n in 0..3 {
+        // Redis answers nothing for 2.5 s: the store's SUBSCRIBE times out after 2 s.
+        server.cli(&["CLIENT", "PAUSE", "2500", "ALL"]);
+        let late = b.watch(&scope(&format!("late{n}"))).await.unwrap();
+        assert!(late.is_none(), "no watch without a confirmed subscription");
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let again = watch(&b, &scope(&format!("again{n}"))).await;
+        drop(again);
+    }
+    clients_settle(&server, before, "after 3 stalls").await;
+    // Connecting again woke the kept watch to read its key (what was published during the
+    // stall is lost); from then on, it hears the other instance again.
+    while tokio::time::timeout(Duration::from_millis(100), kept.changed())
+        .await
+        .is_ok()
+    {}
+    complete(&a, &held, token).await;
+    woken(
+        &mut kept,
+        "by the other instance's completion after the stalls",
+    )
+    .await;
 }
 
 async fn redis_connection() -> tower_idempotency::redis::aio::MultiplexedConnection {

@@ -169,12 +169,30 @@ pub(super) struct Subscriber {
 
 #[derive(Default)]
 struct State {
-    /// The live connection's command half; `None` before the first watch and after the
-    /// connection is lost.
-    sink: Option<Sink>,
+    /// The live connection; `None` before the first watch and after the connection is
+    /// lost or given up.
+    connection: Option<Live>,
+    /// How many connections were opened: each one's number tells its relay whether it is
+    /// still the live one when its messages end.
+    opened: u64,
     /// The channels subscribed to, each with the subscription its watches share (gone
     /// once the last of them is, until its unsubscribing runs).
     channels: HashMap<String, Weak<Subscription>>,
+}
+
+/// The live pub/sub connection: its command half, and the task that relays its messages.
+/// Giving it up (dropping it) stops the relay, which holds the connection's read half:
+/// dropping the command half alone would leave the socket open and subscribed for good.
+struct Live {
+    sink: Sink,
+    number: u64,
+    relay: tokio::task::AbortHandle,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.relay.abort();
+    }
 }
 
 /// A subscription to one key's channel, shared by every watch on the key and ended with
@@ -225,11 +243,11 @@ impl Subscriber {
         let mut state = self.state.lock().await;
         let subscribed = async {
             let live = state.channels.get(channel).and_then(Weak::upgrade);
-            if let (Some(_), Some(live)) = (&state.sink, live) {
+            if let (Some(_), Some(live)) = (&state.connection, live) {
                 return Ok(live);
             }
-            let mut sink = match state.sink.clone() {
-                Some(sink) => sink,
+            let mut sink = match &state.connection {
+                Some(connection) => connection.sink.clone(),
                 None => self.connect(&mut state).await?,
             };
             sink.subscribe(channel).await?;
@@ -246,14 +264,55 @@ impl Subscriber {
         match tokio::time::timeout(self.timeout, subscribed).await {
             Ok(Ok(subscription)) => Ok(subscription),
             Ok(Err(error)) => {
-                state.sink = None;
+                self.give_up(&mut state);
                 Err(error)
             }
             Err(_) => {
-                state.sink = None;
+                self.give_up(&mut state);
                 Err((ErrorKind::Io, "no answer to SUBSCRIBE in time").into())
             }
         }
+    }
+
+    /// Closes the connection, unsure where it stands (a command failed or went
+    /// unanswered); if keys are still watched, connects again in the background, which
+    /// subscribes to their channels and wakes their waiters to read.
+    fn give_up(self: &Arc<Self>, state: &mut State) {
+        state.connection = None;
+        if !state.channels.is_empty() {
+            tokio::spawn(Arc::clone(self).reconnect());
+        }
+    }
+
+    /// The connection numbered `number` ended its messages (its socket closed): connect
+    /// again if it was the live one; a connection opened since has its own relay.
+    async fn ended(self: Arc<Self>, number: u64) {
+        let mut state = self.state.lock().await;
+        let live = state
+            .connection
+            .as_ref()
+            .map(|connection| connection.number);
+        if live.is_none() || live == Some(number) {
+            // Giving the connection up stops its relay, the task running this: connecting
+            // again goes on in a task of its own.
+            self.give_up(&mut state);
+        }
+    }
+
+    /// Makes `sink` the live connection, its messages relayed by `relay` (started once
+    /// the connection's number is known).
+    fn go_live<F>(state: &mut State, sink: &Sink, relay: impl FnOnce(u64) -> F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        state.opened += 1;
+        let number = state.opened;
+        let relay = tokio::spawn(relay(number)).abort_handle();
+        state.connection = Some(Live {
+            sink: sink.clone(),
+            number,
+            relay,
+        });
     }
 
     /// Opens the connection, subscribes to every channel still watched, and starts
@@ -287,9 +346,8 @@ impl Subscriber {
         for channel in state.channels.keys() {
             sink.subscribe(channel).await?;
         }
-        state.sink = Some(sink.clone());
         let subscriber = Arc::downgrade(self);
-        tokio::spawn(async move {
+        Self::go_live(state, &sink, |number| async move {
             while let Some(message) = messages.next().await {
                 let Some(subscriber) = subscriber.upgrade() else {
                     return;
@@ -299,7 +357,7 @@ impl Subscriber {
             // The connection is gone: what was published meanwhile is lost. Reconnect
             // while anybody waits, then wake every waiter to read its key again.
             if let Some(subscriber) = subscriber.upgrade() {
-                subscriber.reconnect().await;
+                subscriber.ended(number).await;
             }
         });
         Ok(sink)
@@ -328,12 +386,10 @@ impl Subscriber {
         for channel in state.channels.keys() {
             sink.subscribe(channel).await?;
         }
-        state.sink = Some(sink.clone());
-        tokio::spawn(relay_shard_pushes(
-            Arc::downgrade(self),
-            received,
-            confirming,
-        ));
+        let subscriber = Arc::downgrade(self);
+        Self::go_live(state, &sink, |number| {
+            relay_shard_pushes(subscriber, received, confirming, number)
+        });
         Ok(sink)
     }
 
@@ -353,7 +409,7 @@ impl Subscriber {
                 let state = self.state.lock().await;
                 // What is reported from now on may need another round.
                 self.again_pending.store(false, Ordering::Release);
-                let Some(mut sink) = state.sink.clone() else {
+                let Some(mut sink) = state.connection.as_ref().map(|live| live.sink.clone()) else {
                     // Connecting again subscribes to every channel, and wakes its waiters.
                     return;
                 };
@@ -381,32 +437,33 @@ impl Subscriber {
         });
     }
 
-    /// Boxed, and `Send` said outright: it runs in the task that `connect` starts, and
-    /// calls `connect` again.
+    /// Connects again while keys are watched, unless a watch already did, then wakes
+    /// every waiter to read its key again: what was published meanwhile is lost.
+    ///
+    /// Boxed, and `Send` said outright: it runs in a task of its own, and calls `connect`,
+    /// whose relay may call it again.
     fn reconnect(self: Arc<Self>) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         Box::pin(async move {
             let mut delay = RECONNECT_MIN_DELAY;
             loop {
                 let mut state = self.state.lock().await;
-                state.sink = None;
                 if state.channels.is_empty() {
                     return;
                 }
-                let connected = tokio::time::timeout(self.timeout, self.connect(&mut state)).await;
-                match connected.unwrap_or_else(|_| Err((ErrorKind::Io, "no answer in time").into()))
-                {
-                    Ok(_) => {
-                        for channel in state.channels.keys() {
-                            self.announcements.announce(channel);
-                        }
-                        return;
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, "could not resubscribe to Redis announcements: waiters fall back on their leases");
-                        for channel in state.channels.keys() {
-                            self.announcements.announce(channel);
-                        }
-                    }
+                let connected = match state.connection {
+                    Some(_) => Ok(()),
+                    None => tokio::time::timeout(self.timeout, self.connect(&mut state))
+                        .await
+                        .unwrap_or_else(|_| Err((ErrorKind::Io, "no answer in time").into()))
+                        .map(drop),
+                };
+                for channel in state.channels.keys() {
+                    self.announcements.announce(channel);
+                }
+                if let Err(error) = connected {
+                    tracing::warn!(%error, "could not resubscribe to Redis announcements: waiters fall back on their leases");
+                } else {
+                    return;
                 }
                 drop(state);
                 tokio::time::sleep(delay).await;
@@ -417,17 +474,16 @@ impl Subscriber {
 
     /// Unsubscribes from `channel`, whose last watch went, unless a watch made since
     /// subscribed to it again.
-    async fn release(&self, channel: &str) {
+    async fn release(self: Arc<Self>, channel: &str) {
         let mut state = self.state.lock().await;
         if !state.channels.get(channel).is_some_and(unheld) {
             return;
         }
         state.channels.remove(channel);
-        if let Some(mut sink) = state.sink.clone() {
+        if let Some(mut sink) = state.connection.as_ref().map(|live| live.sink.clone()) {
             let unsubscribed = tokio::time::timeout(self.timeout, sink.unsubscribe(channel));
             if !matches!(unsubscribed.await, Ok(Ok(()))) {
-                // Unsure where the connection stands: the next watch connects afresh.
-                state.sink = None;
+                self.give_up(&mut state);
             }
         }
     }
@@ -445,6 +501,7 @@ async fn relay_shard_pushes(
     subscriber: Weak<Subscriber>,
     mut pushes: mpsc::UnboundedReceiver<PushInfo>,
     confirming: Arc<Confirming>,
+    number: u64,
 ) {
     while let Some(push) = pushes.recv().await {
         let Some(subscriber) = subscriber.upgrade() else {
@@ -474,18 +531,9 @@ async fn relay_shard_pushes(
             _ => {}
         }
     }
-    // The cluster connection was let go (a subscription failed): its subscriptions went
-    // with it. Connect again, unless a watch already did.
+    // The cluster connection closed: its subscriptions went with it.
     if let Some(subscriber) = subscriber.upgrade() {
-        let state = subscriber.state.lock().await;
-        if state.sink.is_none() {
-            drop(state);
-            subscriber.reconnect().await;
-        } else {
-            for channel in state.channels.keys() {
-                subscriber.announcements.announce(channel);
-            }
-        }
+        subscriber.ended(number).await;
     }
 }
 
