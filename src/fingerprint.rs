@@ -5,7 +5,7 @@ use std::fmt;
 use http::{header::VARY, request::Parts, HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
 
-use crate::percent_encoding::normalized;
+use crate::request_path;
 
 /// SHA-256 over the method, path, query, configured headers and body of a request (the
 /// path and query normalized: percent-encoded unreserved characters decoded).
@@ -40,9 +40,9 @@ impl Fingerprint {
             part(tag);
         }
         part(parts.method.as_str().as_bytes());
-        // As the scope reads it: one spelling of the path and of the query.
-        part(normalized(parts.uri.path()).as_bytes());
-        part(normalized(parts.uri.query().unwrap_or("")).as_bytes());
+        // As the scope reads them: as sent, in one spelling.
+        part(request_path::path(parts).as_bytes());
+        part(request_path::query(parts).as_bytes());
         for name in headers {
             part(name.as_str().as_bytes());
             // Counted, so that a value cannot pass for the next header's name.

@@ -74,7 +74,7 @@ pub mod conformance;
 mod fingerprint;
 pub mod guide;
 mod key;
-mod percent_encoding;
+mod request_path;
 mod server;
 pub mod store;
 #[cfg(feature = "postgres")]

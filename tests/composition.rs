@@ -696,3 +696,122 @@ async fn recommended_stack_serves_each_client_once(store: Arc<dyn Store>) {
     );
     assert_eq!(handler.executions(), 2);
 }
+
+// ---------------------------------------------------------------------------------------
+// Nested routers: axum's `nest` strips the prefix it matched before the nested routes'
+// layers run; the layer reads the path the client sent.
+
+/// Sends `body` under `key` to `path` as alice; the status and body.
+async fn charge(app: &Router, path: &str, key: &str, body: &'static str) -> (StatusCode, String) {
+    let request = Request::post(path)
+        .header("idempotency-key", key)
+        .header("authorization", "Bearer alice")
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap();
+    let answer = read(
+        tower::ServiceExt::oneshot(app.clone(), request)
+            .await
+            .unwrap(),
+    )
+    .await;
+    (
+        answer.status,
+        String::from_utf8_lossy(&answer.body).into_owned(),
+    )
+}
+
+/// A route that charges the account in its path, counting its executions.
+fn charges(executions: &Arc<std::sync::atomic::AtomicUsize>) -> routing::MethodRouter {
+    let executions = executions.clone();
+    routing::post(
+        move |axum::extract::Path(account): axum::extract::Path<String>| {
+            executions.fetch_add(1, Ordering::SeqCst);
+            async move { (StatusCode::CREATED, format!("charged account {account}")) }
+        },
+    )
+}
+
+/// Routes charging `/accounts/{account}/charges`, nested, with `with_layer` applied to the
+/// nested routes; and how many charges ran.
+fn nested_accounts(
+    with_layer: impl FnOnce(Router) -> Router,
+) -> (Router, Arc<std::sync::atomic::AtomicUsize>) {
+    let executions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let inner = Router::new().route("/charges", charges(&executions));
+    let app = Router::new().nest("/accounts/{account}", with_layer(inner));
+    (app, executions)
+}
+
+const AMOUNT: &str = r#"{"amount":100}"#;
+
+/// A charge on account A, then the same key and body for account B: another request, so
+/// executed for B, never answered with A's record; A's retry is still A's replay.
+#[tokio::test]
+async fn a_nested_route_is_scoped_and_fingerprinted_by_the_path_sent() {
+    let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+    let layer = layer(&store).allow_anonymous();
+    let (app, executions) = nested_accounts(|routes| routes.layer(layer));
+    let (status, a) = charge(&app, "/accounts/A/charges", "k1", AMOUNT).await;
+    assert_eq!(
+        (status, a.as_str()),
+        (StatusCode::CREATED, "charged account A")
+    );
+    let (status, b) = charge(&app, "/accounts/B/charges", "k1", AMOUNT).await;
+    assert_eq!(
+        (status, b.as_str()),
+        (StatusCode::CREATED, "charged account B")
+    );
+    let (status, again) = charge(&app, "/accounts/A/charges", "k1", AMOUNT).await;
+    assert_eq!((status, again), (StatusCode::CREATED, a));
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+}
+
+/// Scoped by the route's template, the key is the template's: sent for account B after
+/// account A, it is a key reused with other parameters (the path the client sent differs),
+/// never A's replay.
+#[tokio::test]
+async fn a_nested_route_scoped_by_its_template_is_fingerprinted_by_the_path_sent() {
+    let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+    let layer = layer(&store).allow_anonymous().endpoint_from_matched_path();
+    let (app, executions) = nested_accounts(|routes| routes.route_layer(layer));
+    let (status, a) = charge(&app, "/accounts/A/charges", "k1", AMOUNT).await;
+    assert_eq!(
+        (status, a.as_str()),
+        (StatusCode::CREATED, "charged account A")
+    );
+    let (status, b) = charge(&app, "/accounts/B/charges", "k1", AMOUNT).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{b}");
+    assert!(
+        b.contains("idempotency_key_reused_with_different_params"),
+        "{b}"
+    );
+    let (_, again) = charge(&app, "/accounts/A/charges", "k1", AMOUNT).await;
+    assert_eq!(again, a);
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
+/// Two API versions nested under one layer (one store): each version's request is its own.
+#[tokio::test]
+async fn two_nested_api_versions_keep_their_records_apart() {
+    let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+    let layer = layer(&store).allow_anonymous();
+    let api = |version: &'static str| {
+        Router::new().route(
+            "/payments",
+            routing::post(move || async move {
+                (StatusCode::CREATED, format!("paid through {version}"))
+            }),
+        )
+    };
+    let app = Router::new()
+        .nest("/v1", api("v1").layer(layer.clone()))
+        .nest("/v2", api("v2").layer(layer));
+    let (_, one) = charge(&app, "/v1/payments", "k", "{}").await;
+    assert_eq!(one, "paid through v1");
+    let (status, two) = charge(&app, "/v2/payments", "k", "{}").await;
+    assert_eq!(
+        (status, two.as_str()),
+        (StatusCode::CREATED, "paid through v2")
+    );
+}

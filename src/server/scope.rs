@@ -1,12 +1,12 @@
 //! Where a key means something: `(principal, endpoint, key)`, its storage key, and how a
 //! request's scope is built (the principal is `principal.rs`'s to name).
 
-use std::{ops::Range, sync::Arc};
+use std::{borrow::Cow, ops::Range, sync::Arc};
 
 use http::request::Parts;
 
 use super::principal::Principal;
-use crate::{percent_encoding::normalized, IdempotencyKey};
+use crate::{request_path, IdempotencyKey};
 
 /// How a request names its endpoint, the middle part of a key's scope.
 #[derive(Clone, Debug)]
@@ -25,8 +25,7 @@ pub(crate) fn of_request(
     principal: Option<&Principal>,
     key: IdempotencyKey,
 ) -> Scope {
-    let [method, space, path] = endpoint_pieces(endpoint, parts);
-    let path = normalized(path);
+    let (method, space, path) = endpoint_pieces(endpoint, parts);
     Scope::from_parts(
         principal.map(Principal::as_str),
         &[method, space, &path],
@@ -37,23 +36,27 @@ pub(crate) fn of_request(
 /// The endpoint a request is scoped to, whole: for the layer's answers to requests it
 /// refuses before their scope is built.
 pub(crate) fn endpoint_of(endpoint: &Endpoint, parts: &Parts) -> String {
-    let [method, space, path] = endpoint_pieces(endpoint, parts);
-    [method, space, &normalized(path)].concat()
+    let (method, space, path) = endpoint_pieces(endpoint, parts);
+    [method, space, &path].concat()
 }
 
 /// The endpoint part of a request's scope, in pieces: the layer's endpoint name, or
-/// `"<METHOD> <path>"` (the route template with `endpoint_from_matched_path`).
-fn endpoint_pieces<'a>(endpoint: &'a Endpoint, parts: &'a Parts) -> [&'a str; 3] {
+/// `"<METHOD> <path>"` (the route template with `endpoint_from_matched_path`), the path as
+/// [`request_path`] reads it.
+fn endpoint_pieces<'a>(
+    endpoint: &'a Endpoint,
+    parts: &'a Parts,
+) -> (&'a str, &'a str, Cow<'a, str>) {
     let path = match endpoint {
-        Endpoint::Fixed(name) => return [name, "", ""],
+        Endpoint::Fixed(name) => return (name, "", Cow::Borrowed("")),
         #[cfg(feature = "axum")]
-        Endpoint::MatchedPath => parts
-            .extensions
-            .get::<axum::extract::MatchedPath>()
-            .map_or(parts.uri.path(), |matched| matched.as_str()),
-        Endpoint::MethodAndPath => parts.uri.path(),
+        Endpoint::MatchedPath => match parts.extensions.get::<axum::extract::MatchedPath>() {
+            Some(matched) => Cow::Borrowed(matched.as_str()),
+            None => request_path::path(parts),
+        },
+        Endpoint::MethodAndPath => request_path::path(parts),
     };
-    [parts.method.as_str(), " ", path]
+    (parts.method.as_str(), " ", path)
 }
 
 /// The scope of one idempotency key: the same key sent by two principals, or to two

@@ -1,6 +1,33 @@
-//! One spelling for every way of percent-encoding a path or a query that means the same.
+//! The path and query a keyed request is known by, in its scope and its fingerprint: as
+//! its client sent them, whatever router stripped from them on the way, and in one spelling
+//! for every way of percent-encoding them that means the same.
 
 use std::borrow::Cow;
+
+use http::{request::Parts, Uri};
+
+/// The request's path, as [`sent`] and [`normalized`].
+pub(crate) fn path(parts: &Parts) -> Cow<'_, str> {
+    normalized(sent(parts).path())
+}
+
+/// The request's query (empty without one), as [`sent`] and [`normalized`].
+pub(crate) fn query(parts: &Parts) -> Cow<'_, str> {
+    normalized(sent(parts).query().unwrap_or(""))
+}
+
+/// The URI the client sent. A router that nests routes (axum's `nest`) strips the prefix it
+/// matched before the nested routes' layers see the request, keeping the whole URI as
+/// `OriginalUri`: read from the stripped one, `/accounts/A/charges` and
+/// `/accounts/B/charges` nested at `/accounts/{account}` would both be `/charges`, and one
+/// account's retry would be answered with the other's record.
+fn sent(parts: &Parts) -> &Uri {
+    #[cfg(feature = "axum")]
+    if let Some(original) = parts.extensions.get::<axum::extract::OriginalUri>() {
+        return &original.0;
+    }
+    &parts.uri
+}
 
 /// `text` (a path or a query) as RFC 3986 (§6.2.2) normalizes it: percent-encoded
 /// unreserved characters decoded, the other percent-encodings' hex digits upper-cased, and
@@ -11,7 +38,7 @@ use std::borrow::Cow;
 /// names one scope and one fingerprint, so such a retry replays instead of executing
 /// again. Reserved characters stay encoded: `%2F` is not `/`.
 #[inline]
-pub(crate) fn normalized(text: &str) -> Cow<'_, str> {
+fn normalized(text: &str) -> Cow<'_, str> {
     if text.as_bytes().contains(&b'%') {
         Cow::Owned(rewritten(text))
     } else {
