@@ -815,3 +815,67 @@ async fn two_nested_api_versions_keep_their_records_apart() {
         (StatusCode::CREATED, "paid through v2")
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// A signature check in front of an unscoped webhook route.
+
+/// Webhook senders authenticate by signature; the check outside the layer names each
+/// sender with a `Principal`, which scopes its event ids even on an `unscoped()` route:
+/// two senders' events with one id are two deliveries, each handled.
+#[tokio::test]
+async fn a_principal_named_by_the_signature_check_scopes_an_unscoped_webhook_route() {
+    let executions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+    let scoped_by_sender = layer(&store).key_from_json("/id").required().unscoped();
+    let verify = axum::middleware::from_fn(
+        |mut request: Request, next: axum::middleware::Next| async move {
+            let sender = request.headers()["x-sender"].to_str().unwrap().to_owned();
+            request.extensions_mut().insert(Principal::new(sender));
+            next.run(request).await
+        },
+    );
+    let handled = {
+        let executions = executions.clone();
+        move |headers: axum::http::HeaderMap| {
+            executions.fetch_add(1, Ordering::SeqCst);
+            async move { format!("handled for {:?}", headers["x-sender"]) }
+        }
+    };
+    let app = Router::new()
+        .route("/webhooks", routing::post(handled).layer(scoped_by_sender))
+        .route_layer(verify);
+    let deliver = |sender: &'static str| {
+        let app = app.clone();
+        async move {
+            let request = Request::post("/webhooks")
+                .header("x-sender", sender)
+                .body(Body::from(r#"{"id":"evt_1","type":"charge.succeeded"}"#))
+                .unwrap();
+            read(tower::ServiceExt::oneshot(app, request).await.unwrap()).await
+        }
+    };
+    let a = deliver("sender-a").await;
+    let b = deliver("sender-b").await;
+    assert_eq!(b.body, r#"handled for "sender-b""#, "{a:?}");
+    assert!(deliver("sender-a").await.replayed());
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+    // Without a Principal, the route is unscoped as before: every sender shares the id.
+    let shared = layer(&store).key_from_json("/id").required().unscoped();
+    let unnamed = Router::new().route(
+        "/events",
+        routing::post(|| async { "handled" }).layer(shared),
+    );
+    let event = || {
+        Request::post("/events")
+            .body(Body::from(r#"{"id":"evt_2"}"#))
+            .unwrap()
+    };
+    read(
+        tower::ServiceExt::oneshot(unnamed.clone(), event())
+            .await
+            .unwrap(),
+    )
+    .await;
+    let again = read(tower::ServiceExt::oneshot(unnamed, event()).await.unwrap()).await;
+    assert!(again.replayed());
+}

@@ -486,7 +486,9 @@ impl IdempotencyLayer {
     }
 
     /// Every caller shares one key space. Only for services with one caller, or keys that
-    /// are globally unique by construction.
+    /// are globally unique by construction. A [`Principal`](crate::Principal) extension
+    /// that a layer before this one set (naming a webhook's sender once its signature is
+    /// checked, say) still scopes the request's key.
     ///
     /// # Example
     ///

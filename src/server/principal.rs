@@ -242,15 +242,18 @@ impl fmt::Debug for DefaultPrincipal {
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
-/// Every request is anonymous: keys are shared by all callers. Only for services with one
-/// caller, or whose keys are globally unique by construction
-/// ([`unscoped`](crate::IdempotencyLayer::unscoped)).
+/// Requests are anonymous, keys shared by all callers, unless a layer before this one named
+/// the caller with a [`Principal`] extension: only for services with one caller, or whose
+/// keys are globally unique by construction
+/// ([`unscoped`](crate::IdempotencyLayer::unscoped)). A `Principal` set on purpose still
+/// counts, so that a webhook route can scope each sender's event ids to that sender once its
+/// signature is checked.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Unscoped;
 
 impl ExtractPrincipal for Unscoped {
-    fn extract(&self, _parts: &Parts) -> Option<Principal> {
-        None
+    fn extract(&self, parts: &Parts) -> Option<Principal> {
+        parts.extensions.get::<Principal>().cloned()
     }
 }
 
