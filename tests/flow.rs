@@ -809,6 +809,18 @@ async fn a_keyed_request_without_a_principal_is_refused_unless_the_route_opts_in
     let named = post("/pay").key("blank").header("x-user-id", "u1");
     send(&by_header, named).await.assert_executed();
     assert_eq!(handler.executions(), 5);
+    // So is a blank `Authorization` header under the default extractor: no credential, not
+    // one shared by every client that sends it blank.
+    for layer in [
+        IdempotencyLayer::from_shared(store.clone()),
+        IdempotencyLayer::from_shared(store.clone()).credential_secret(b"secret"),
+    ] {
+        let app = router(&handler, layer);
+        let blank = post("/pay").key("blank-auth").header("authorization", "");
+        let answer = send(&app, blank).await;
+        assert_eq!(answer.error(), "idempotency_principal_missing");
+    }
+    assert_eq!(handler.executions(), 5);
 }
 
 /// With a secret, the `Authorization` digest is an HMAC under it: two instances with the

@@ -214,7 +214,12 @@ impl ExtractPrincipal for DefaultPrincipal {
         if let Some(principal) = parts.extensions.get::<Principal>() {
             return Some(principal.clone());
         }
-        let authorization = parts.headers.get(http::header::AUTHORIZATION)?;
+        // A blank header is no credential: its digest would be one principal shared by
+        // every client that sends the header blank.
+        let authorization = parts
+            .headers
+            .get(http::header::AUTHORIZATION)
+            .filter(|value| !value.as_bytes().trim_ascii().is_empty())?;
         Some(match &self.key {
             Some(key) => key.principal(authorization.as_bytes()),
             None => {
