@@ -33,7 +33,7 @@ async fn serve(store: Arc<dyn Store>, payments: Payments) -> Channel {
     let layer = IdempotencyLayer::from_shared(store)
         .allow_anonymous()
         .required()
-        .principal(service::bearer_user);
+        .principal(service::principal::BearerUser);
     tokio::spawn(async move {
         Server::builder()
             .layer(layer)

@@ -248,6 +248,25 @@ async fn principals_do_not_share_keys(store: Arc<dyn Store>) {
         .await
         .assert_replay_of(&bob);
     assert_eq!(api.stats().await.payments_executed, 2);
+
+    // The scheme is case-insensitive: `bearer alice` is alice, `bearer mallory` is not.
+    let as_sent = |authorization: &str| {
+        let post = api
+            .post("/v1/payments")
+            .key(&key)
+            .authorization(authorization);
+        post.json(&charge(300)).send()
+    };
+    as_sent("bearer alice").await.assert_replay_of(&alice);
+    let mallory = as_sent("BEARER mallory").await;
+    mallory.assert_fresh();
+    assert_ne!(mallory.assert_payment(300, "usd"), alice_id);
+    // Another scheme's credentials are each their own principal, never the anonymous one.
+    let basic = as_sent("Basic YWxpY2U6cHc=").await;
+    basic.assert_fresh();
+    as_sent("Basic Ym9iOnB3").await.assert_fresh();
+    as_sent("Basic YWxpY2U6cHc=").await.assert_replay_of(&basic);
+    assert_eq!(api.stats().await.payments_executed, 5);
 }
 
 async fn token_bytes_are_replayed(store: Arc<dyn Store>) {

@@ -40,7 +40,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     store::init_logging();
     let mut layer = IdempotencyLayer::from_shared(store::from_env().await?)
         .required()
-        .principal(service::bearer_user)
+        .principal(service::principal::BearerUser)
         // A call without a bearer token is anonymous: a demo's choice.
         .allow_anonymous();
     if let Some(ttl) = store::env_secs("IDEMPOTENCY_TTL_SECS")? {

@@ -2,6 +2,11 @@
 //! needed): `Charge(ChargeRequest) returns (Payment)` and `Stats(StatsRequest) returns
 //! (Stats)`. Shared by the example's `main` and the tests.
 
+// A test that serves both examples loads it twice: once here, once with the payments app.
+#[allow(clippy::duplicate_mod)]
+#[path = "../payments/principal.rs"]
+pub mod principal;
+
 use std::{
     convert::Infallible,
     future::Future,
@@ -162,14 +167,4 @@ impl Service<http::Request<Body>> for Payments {
             })
         })
     }
-}
-
-/// `authorization: Bearer <user>` metadata: the user is the principal; none is anonymous.
-pub fn bearer_user(parts: &http::request::Parts) -> Option<String> {
-    let value = parts
-        .headers
-        .get(http::header::AUTHORIZATION)?
-        .to_str()
-        .ok()?;
-    value.strip_prefix("Bearer ").map(str::to_owned)
 }

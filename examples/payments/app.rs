@@ -25,9 +25,12 @@ use tower_idempotency::{
 };
 
 // By path, so that the tests that include this file find it too.
+#[path = "principal.rs"]
+mod principal;
 #[cfg(feature = "client")]
 #[path = "processor.rs"]
 mod processor;
+use principal::BearerUser;
 #[cfg(feature = "client")]
 use processor::Processor;
 #[cfg(feature = "postgres")]
@@ -143,7 +146,7 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
     let mut layer = IdempotencyLayer::from_shared(store)
         .ttl(settings.ttl)
         .lease(settings.lease)
-        .principal(bearer_user)
+        .principal(BearerUser)
         // A request without a bearer token is anonymous: a demo's choice. A real service
         // would have its authentication layer refuse it, or set a `Principal`.
         .allow_anonymous()
@@ -187,12 +190,6 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
         .route("/v1/stats", get(get_stats))
         .with_state(state);
     (app, stats)
-}
-
-/// `Authorization: Bearer <user>`: the token is the user id; none is anonymous.
-fn bearer_user(parts: &Parts) -> Option<String> {
-    let value = parts.headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    value.strip_prefix("Bearer ").map(str::to_owned)
 }
 
 #[derive(Deserialize)]

@@ -158,6 +158,13 @@ impl Post {
         }
     }
 
+    /// Adds `Authorization: <value>` as it is.
+    pub fn authorization(self, value: &str) -> Self {
+        Self {
+            request: self.request.header(reqwest::header::AUTHORIZATION, value),
+        }
+    }
+
     /// Adds `Connection: close`: for a request the server may answer before reading its
     /// body (a `413`), after which it closes the connection, so that the client's pool
     /// does not hand that connection to the next request.
