@@ -12,7 +12,12 @@
 //! The layer commits after the handler's response is recorded, so the handler must not
 //! commit or roll back itself, nor keep the transaction past its response (a task spawned
 //! with it): a transaction still held when the layer comes to commit is rolled back, and
-//! the client gets `503`.
+//! the client gets `503`. A `COMMIT` the handler sent would commit the claim with its
+//! writes before the record, with no lease renewed: a released outcome's writes would stay,
+//! and once the lease ran out another request could run the operation again. So the
+//! tokio-postgres flavour lends the connection for statements only (`&`): its
+//! `transaction()`, which sends `BEGIN` and then `COMMIT` on a plain client, does not
+//! compile. With sqlx, `begin()` on the lent connection makes a savepoint.
 
 use std::{
     fmt,
@@ -28,7 +33,14 @@ pub trait Connection: Send + 'static {
     type Target: ?Sized;
     /// The connection, for statements that borrow it.
     fn connection(&self) -> &Self::Target;
-    /// The connection, for statements that need it mutably (sqlx's executors).
+}
+
+/// A connection a handler may also use mutably, because nothing it can do with `&mut`
+/// ends the layer's transaction: sqlx's, whose executors need `&mut` and whose `begin()`
+/// inside a transaction makes a savepoint. Not tokio-postgres's, whose `transaction()`
+/// would commit the layer's transaction.
+pub trait ConnectionMut: Connection {
+    /// The connection, for statements that need it mutably.
     fn connection_mut(&mut self) -> &mut Self::Target;
 }
 
@@ -72,7 +84,8 @@ impl<C: Connection> InTransaction<C> {
 }
 
 /// The request's transaction, held by one part of the handler: it derefs to the connection
-/// ([`Connection::Target`]) the statements run on. Also an axum extractor (feature
+/// ([`Connection::Target`]) the statements run on, mutably only where nothing done with
+/// `&mut` ends the transaction ([`ConnectionMut`]). Also an axum extractor (feature
 /// `axum`), which answers `500` on a route without a transactional layer; take
 /// `Option<…>` on a route that may run without one.
 pub struct TransactionGuard<C>(OwnedMutexGuard<Option<C>>);
@@ -88,7 +101,7 @@ impl<C: Connection> Deref for TransactionGuard<C> {
     }
 }
 
-impl<C: Connection> DerefMut for TransactionGuard<C> {
+impl<C: ConnectionMut> DerefMut for TransactionGuard<C> {
     fn deref_mut(&mut self) -> &mut C::Target {
         self.0
             .as_mut()
@@ -111,7 +124,18 @@ pub struct TransactionEnded;
 
 /// The transaction of the tokio-postgres flavour
 /// ([`PostgresStore::transactional`](crate::PostgresStore::transactional)): a pooled
-/// connection of the store's own pool, inside `BEGIN`.
+/// connection of the store's own pool, inside `BEGIN`. It derefs to the client for
+/// statements (`execute`, `query`, `prepare_cached`, ...), not mutably: the client's
+/// `transaction()` would send `BEGIN` inside the layer's transaction, and its `commit()`
+/// would commit that transaction, the claim with it, before the record.
+///
+/// ```compile_fail,E0596
+/// # use tower_idempotency::transaction::PostgresTransaction;
+/// async fn create_order(mut tx: PostgresTransaction) {
+///     let nested = tx.transaction().await.unwrap(); // does not compile: no `&mut`
+///     nested.commit().await.unwrap();
+/// }
+/// ```
 ///
 /// ```no_run
 /// use axum::{http::StatusCode, routing::post, Router};
@@ -180,10 +204,6 @@ impl Connection for PooledTransaction {
     fn connection(&self) -> &Self::Target {
         self.client()
     }
-
-    fn connection_mut(&mut self) -> &mut Self::Target {
-        self.client.as_mut().expect("present until ended")
-    }
 }
 
 /// The transaction of the sqlx flavour (`PostgresStore::transactional_sqlx`): it derefs to
@@ -223,7 +243,10 @@ impl Connection for sqlx::Transaction<'static, sqlx::Postgres> {
     fn connection(&self) -> &Self::Target {
         self
     }
+}
 
+#[cfg(feature = "sqlx")]
+impl ConnectionMut for sqlx::Transaction<'static, sqlx::Postgres> {
     fn connection_mut(&mut self) -> &mut Self::Target {
         self
     }

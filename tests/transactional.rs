@@ -648,3 +648,75 @@ async fn duplicate_waits_for_the_original(driver: Driver, store: PostgresStore) 
     assert_eq!(service.rows().await, 1);
     assert_eq!(service.orders.executions.load(Ordering::SeqCst), 1);
 }
+
+/// sqlx's transaction lends its connection mutably (its executors need `&mut`): what a
+/// handler can do with it must not end the layer's transaction. `begin()` on it makes a
+/// savepoint, so a nested transaction's `commit()` commits nothing, and a released outcome
+/// still rolls its writes back. (tokio-postgres's `transaction()` would commit the layer's
+/// transaction: its connection is lent for statements only, and the call does not compile;
+/// see `PostgresTransaction`.)
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn sqlx_a_nested_begin_is_a_savepoint_a_release_rolls_back() {
+    use tower_idempotency::sqlx::Connection as _;
+    #[derive(Clone)]
+    struct Table(String);
+    async fn create(
+        State(Table(table)): State<Table>,
+        headers: HeaderMap,
+        mut tx: SqlxTransaction,
+    ) -> StatusCode {
+        let connection: &mut tower_idempotency::sqlx::PgConnection = &mut tx;
+        let mut nested = connection.begin().await.unwrap();
+        tower_idempotency::sqlx::query(&format!("INSERT INTO {table} (id) VALUES ('ord_1')"))
+            .execute(&mut *nested)
+            .await
+            .unwrap();
+        nested.commit().await.unwrap();
+        headers
+            .get("x-status")
+            .map_or(StatusCode::CREATED, |status| {
+                status.to_str().unwrap().parse().unwrap()
+            })
+    }
+    let store = Driver::Sqlx.transactional().await;
+    let client = support::store_client(&support::database_url()).await;
+    let table = format!(
+        "{}.nested_{:016x}",
+        support::TEST_SCHEMA,
+        rand::random::<u64>()
+    );
+    client
+        .batch_execute(&format!("CREATE TABLE {table} (id TEXT PRIMARY KEY)"))
+        .await
+        .unwrap();
+    let rows = || async {
+        let count = format!("SELECT count(*) FROM {table}");
+        client
+            .query_one(&count, &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    let layer = IdempotencyLayer::new(store).allow_anonymous();
+    let app = Router::new()
+        .route("/orders", post(create).layer(layer))
+        .with_state(Table(table.clone()));
+    let released = request("/orders")
+        .key("k")
+        .header("x-status", "500")
+        .body("{}");
+    assert_eq!(
+        send(&app, released).await.status,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert_eq!(
+        rows().await,
+        0,
+        "the released execution's nested write committed"
+    );
+    send(&app, request("/orders").key("k").body("{}"))
+        .await
+        .assert_executed();
+    assert_eq!(rows().await, 1);
+}
