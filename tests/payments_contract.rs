@@ -509,3 +509,30 @@ async fn serve(store: Arc<dyn Store>) -> (Api, Server) {
     let task = tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
     (Api::new(addr), Server(task))
 }
+
+/// Two instances of the example started together (one the other's processor, or two on
+/// one ledger) never hand out the same payment id: ids were the start's millisecond and
+/// a count, so two started in the same millisecond made the same ids.
+#[tokio::test]
+async fn two_instances_started_together_never_share_an_id() {
+    let instance = || {
+        let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+        app::router(store, app::Settings::default()).0
+    };
+    let (one, two) = (instance(), instance());
+    let pay = |router: axum::Router| async move {
+        let request = axum::http::Request::post("/v1/payments")
+            .header("idempotency-key", "k")
+            .header("authorization", "Bearer alice")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(charge(100).to_string()))
+            .unwrap();
+        let response = tower::ServiceExt::oneshot(router, request).await.unwrap();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap();
+        let payment: serde_json::Value = serde_json::from_slice(&body.to_bytes()).unwrap();
+        assert_id(&payment["id"], "pay_")
+    };
+    assert_ne!(pay(one).await, pay(two).await);
+}

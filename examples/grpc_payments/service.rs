@@ -16,7 +16,7 @@ use std::{
         Arc,
     },
     task::{Context, Poll},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
 use tonic::{
@@ -75,18 +75,15 @@ pub const STATS: &str = "/payments.v1.Payments/Stats";
 #[derive(Clone)]
 pub struct Payments {
     charges: Arc<AtomicI64>,
-    boot: u128,
+    /// Random, so that two instances never hand out the same ids.
+    instance: u64,
 }
 
 impl Default for Payments {
     fn default() -> Self {
-        let boot = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis();
         Self {
             charges: Arc::default(),
-            boot,
+            instance: rand::random(),
         }
     }
 }
@@ -120,7 +117,7 @@ impl UnaryService<ChargeRequest> for Charge {
                 "decline" => Err(Status::failed_precondition("card_declined")),
                 "error" => Err(Status::internal("processor failed")),
                 _ => Ok(Response::new(Payment {
-                    id: format!("pay_{:x}{n:08x}", payments.boot),
+                    id: format!("pay_{:016x}{n:08x}", payments.instance),
                     amount: charge.amount,
                     currency: charge.currency,
                     status: "succeeded".to_owned(),

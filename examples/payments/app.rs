@@ -56,14 +56,17 @@ struct Shared {
     processor: Option<Processor>,
 }
 
-/// Handler executions (never replays), and what makes ids unique across restarts.
+/// Handler executions (never replays), and what makes ids unique across restarts and
+/// instances.
 #[derive(Debug)]
 pub struct Stats {
     pub payments: AtomicU64,
     pub refunds: AtomicU64,
     pub tokens: AtomicU64,
     pub webhooks: AtomicU64,
-    boot: u128,
+    /// Random: two instances started in the same millisecond (one the other's processor,
+    /// or two sharing a ledger) must not hand out the same ids.
+    instance: u64,
     ids: AtomicU64,
     payments_only: AtomicBool,
     /// Executions still holding a key: what a graceful shutdown waits for.
@@ -77,7 +80,7 @@ impl Stats {
             refunds: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
             webhooks: AtomicU64::new(0),
-            boot: now_ms(),
+            instance: rand::random(),
             ids: AtomicU64::new(0),
             payments_only: AtomicBool::new(false),
             in_flight,
@@ -92,7 +95,7 @@ impl Stats {
 
     fn next_id(&self, prefix: &str) -> String {
         let n = self.ids.fetch_add(1, Ordering::Relaxed);
-        format!("{prefix}_{:x}{n:08x}", self.boot)
+        format!("{prefix}_{:016x}{n:08x}", self.instance)
     }
 }
 
