@@ -60,6 +60,7 @@ for_each_store!(
     endpoints_scope_keys,
     matched_path_names_the_endpoint,
     oversized_response_is_streamed_and_never_executed_twice,
+    the_longest_durations_are_kept,
     hop_by_hop_headers_and_date_are_not_replayed,
     per_route_layers_are_configured_independently,
     plain_service_fn_is_protected,
@@ -1453,4 +1454,49 @@ async fn a_retry_with_its_path_spelled_another_way_replays() {
     let other = read(app.oneshot(refund("/orders/a%2Fb/refunds")).await.unwrap()).await;
     assert!(!other.replayed());
     assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+/// Durations the stores cannot reach (a TTL meant as "forever", `Duration::MAX`) are
+/// refused when the layer is configured, with a message naming the setting: taken, the
+/// memory store's completion overflowed its clock and panicked after the handler ran,
+/// leaving the key in progress until its lease ended and the retry executed again. (The
+/// longest accepted values work on every store: `the_longest_durations_are_kept`.)
+#[tokio::test]
+async fn durations_past_what_a_store_keeps_are_refused_when_configured() {
+    let configure = |setting: fn(IdempotencyLayer) -> IdempotencyLayer| {
+        let layer = IdempotencyLayer::new(tower_idempotency::MemoryStore::new());
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setting(layer)))
+    };
+    for (setting, name) in [
+        (
+            (|layer| layer.ttl(Duration::MAX)) as fn(IdempotencyLayer) -> IdempotencyLayer,
+            "ttl",
+        ),
+        (|layer| layer.ttl(Duration::ZERO), "ttl"),
+        (|layer| layer.lease(Duration::MAX), "lease"),
+        (|layer| layer.wait_for_original(Duration::MAX), "wait"),
+    ] {
+        let refused = configure(setting)
+            .err()
+            .unwrap_or_else(|| panic!("{name} taken"));
+        let message = refused.downcast_ref::<String>().map(String::as_str);
+        let message = message.or(refused.downcast_ref::<&str>().copied()).unwrap();
+        assert!(message.contains(name), "{message}");
+    }
+}
+
+/// A record kept for the longest TTL, under the longest lease and wait, on this store.
+async fn the_longest_durations_are_kept(store: Arc<dyn Store>) {
+    let longest = tower_idempotency::LONGEST_DURATION;
+    let handler = Handler::default();
+    let layer = layer(&store)
+        .ttl(longest)
+        .lease(longest)
+        .wait_for_original(longest);
+    let app = router(&handler, layer);
+    send(&app, post("/pay").key("longest"))
+        .await
+        .assert_executed();
+    assert!(send(&app, post("/pay").key("longest")).await.replayed());
+    assert_eq!(handler.executions(), 1);
 }

@@ -20,6 +20,20 @@ use super::{
 };
 use crate::store::Store;
 
+/// The longest TTL, lease or wait the layer takes: 100 years (of 365 days). Every store
+/// keeps a record that long; a longer one (a TTL meant as "forever") would overflow their
+/// clocks, so the settings refuse it.
+pub const LONGEST_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// `duration`, if it is at most [`LONGEST_DURATION`]; a panic naming `setting` otherwise.
+fn within_longest(setting: &str, duration: Duration) -> Duration {
+    assert!(
+        duration <= LONGEST_DURATION,
+        "an idempotency {setting} must be at most LONGEST_DURATION (100 years), not {duration:?}"
+    );
+    duration
+}
+
 /// Applies [`Idempotency`] to a service: requests carrying an `Idempotency-Key` execute once
 /// and every retry gets the first response back.
 ///
@@ -283,6 +297,10 @@ impl IdempotencyLayer {
 
     /// How long a completed response is replayed. Default: 24 hours.
     ///
+    /// # Panics
+    ///
+    /// If `ttl` is zero (nothing would be replayed) or longer than [`LONGEST_DURATION`].
+    ///
     /// # Example
     ///
     /// ```
@@ -291,7 +309,11 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).ttl(Duration::from_secs(7 * 86_400));
     /// ```
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.config.ttl = ttl;
+        assert!(
+            !ttl.is_zero(),
+            "an idempotency ttl must be more than zero: nothing would be replayed"
+        );
+        self.config.ttl = within_longest("ttl", ttl);
         self
     }
 
@@ -301,7 +323,8 @@ impl IdempotencyLayer {
     ///
     /// # Panics
     ///
-    /// If `lease` is under 3 milliseconds, too short to renew.
+    /// If `lease` is under 3 milliseconds, too short to renew, or longer than
+    /// [`LONGEST_DURATION`].
     ///
     /// # Example
     ///
@@ -315,7 +338,7 @@ impl IdempotencyLayer {
             lease >= Duration::from_millis(3),
             "an idempotency lease must be at least 3 ms"
         );
-        self.config.lease = lease;
+        self.config.lease = within_longest("lease", lease);
         self
     }
 
@@ -629,6 +652,10 @@ impl IdempotencyLayer {
     /// At most [`max_waiting`](Self::max_waiting) requests wait at once; a waiter whose
     /// client goes away leaves nothing behind. Default: no waiting.
     ///
+    /// # Panics
+    ///
+    /// If `bound` is longer than [`LONGEST_DURATION`].
+    ///
     /// # Example
     ///
     /// ```
@@ -639,7 +666,7 @@ impl IdempotencyLayer {
     ///     .wait_for_original(Duration::from_secs(5));
     /// ```
     pub fn wait_for_original(mut self, bound: Duration) -> Self {
-        self.config.wait = Some(bound);
+        self.config.wait = Some(within_longest("wait for the original", bound));
         self
     }
 

@@ -56,7 +56,7 @@ pub use body_fingerprint::BodyFingerprint;
 pub use derived_key::DerivedKeys;
 pub use future::ResponseFuture;
 pub use in_flight::InFlight;
-pub use layer::IdempotencyLayer;
+pub use layer::{IdempotencyLayer, LONGEST_DURATION};
 pub use principal::{DefaultPrincipal, ExtractPrincipal, Principal, Unscoped};
 pub use rejection::{
     problem::{ProblemDetails, PROBLEM_JSON},
