@@ -428,3 +428,50 @@ async fn postgres_a_waiter_keeps_its_bound_when_no_listening_connection_answers(
     assert_eq!(original.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(handler.executions(), 4);
 }
+
+/// 300 keys a round, each with its original and three waiting duplicates, twenty rounds,
+/// on two worker threads: each key executes once, its duplicates get its replay, and once
+/// every request has answered nothing is left watched (duplicates woken together drop
+/// their watches together, on both threads).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_many_keys_leave_nothing_watched() {
+    let memory = MemoryStore::new();
+    let store: Arc<dyn Store> = Arc::new(memory.clone());
+    let handler = Handler::default();
+    let layer = waiting_layer(&store);
+    let app = router(&handler, layer.clone());
+    let per_round = 300;
+    for round in 0..20 {
+        let keys: Vec<String> = (0..per_round).map(|i| format!("r{round}-k{i}")).collect();
+        let originals: Vec<_> = keys
+            .iter()
+            .map(|key| spawn_send(&app, post_waiting(key)))
+            .collect();
+        until_executing(&handler, (round + 1) * per_round).await;
+        let duplicates: Vec<_> = keys
+            .iter()
+            .flat_map(|key| (0..3).map(|_| spawn_send(&app, post("/pay").key(key))))
+            .collect();
+        for _ in 0..200 {
+            if layer.waiting() == 3 * per_round {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        handler.gate.add_permits(per_round);
+        for original in originals {
+            original.await.unwrap().assert_executed();
+        }
+        for duplicate in duplicates {
+            let duplicate = duplicate.await.unwrap();
+            assert!(duplicate.replayed(), "{duplicate:?}");
+        }
+    }
+    assert_eq!(handler.executions(), 20 * per_round, "a key executed twice");
+    assert_eq!(layer.waiting(), 0);
+    assert_eq!(
+        memory.watched(),
+        0,
+        "keys still watched after every waiter answered"
+    );
+}

@@ -55,6 +55,11 @@ struct Board {
 /// read of the key after an announcement found.
 #[derive(Default)]
 struct Slot {
+    /// How many watches hold the slot; changed only under the board's lock, so that the
+    /// last watch to go, whichever it is, takes the key off the board. (`Arc`'s count
+    /// would not do: a watch lets go of its `Arc` after its `drop` has released the lock,
+    /// so two watches dropped at once could each see the other and leave the key.)
+    watches: AtomicUsize,
     changes: AtomicU64,
     /// The claims whose ends are known here.
     ends: Mutex<Ends>,
@@ -123,6 +128,7 @@ impl Announcements {
                 Arc::default()
             })
             .clone();
+        slot.watches.fetch_add(1, Ordering::Relaxed);
         let seen = slot.changes.load(Ordering::Acquire);
         Watch {
             key: key.to_owned(),
@@ -489,8 +495,8 @@ impl fmt::Debug for Ending<'_> {
 impl Drop for Watch {
     fn drop(&mut self) {
         let mut keys = self.announcements.lock();
-        // The map's reference and this one: no other watch is left.
-        if Arc::strong_count(&self.slot) == 2 && keys.remove(&self.key).is_some() {
+        let last = self.slot.watches.fetch_sub(1, Ordering::Relaxed) == 1;
+        if last && keys.remove(&self.key).is_some() {
             let board = &self.announcements.board;
             board.watched.fetch_sub(1, Ordering::SeqCst);
         }
@@ -521,6 +527,36 @@ impl fmt::Debug for Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two watches on one key dropped at once, on two threads: the last one out takes the
+    /// key off the board, whichever it is.
+    #[test]
+    fn watches_dropped_at_once_on_two_threads_leave_no_key() {
+        let board = Announcements::new();
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let dropper = |watches: std::sync::mpsc::Receiver<Watch>| {
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                while let Ok(watch) = watches.recv() {
+                    barrier.wait();
+                    drop(watch);
+                }
+            })
+        };
+        let (to_a, a) = std::sync::mpsc::channel();
+        let (to_b, b) = std::sync::mpsc::channel();
+        let (a, b) = (dropper(a), dropper(b));
+        for key in 0..20_000 {
+            let key = key.to_string();
+            to_a.send(board.watch(&key)).unwrap();
+            to_b.send(board.watch(&key)).unwrap();
+        }
+        drop((to_a, to_b));
+        a.join().unwrap();
+        b.join().unwrap();
+        assert_eq!(board.watched(), 0, "keys left on the board with no watch");
+        assert!(!board.anyone_watching());
+    }
 
     /// A read of the key, for `read_shared`.
     type Read = std::pin::Pin<Box<dyn Future<Output = Result<Claim>> + Send>>;
