@@ -2,6 +2,7 @@
 
 use std::{
     collections::VecDeque,
+    fmt,
     sync::{Arc, MutexGuard, OnceLock},
     time::{Duration, Instant},
 };
@@ -26,7 +27,9 @@ use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 /// the first retry reaching a process reads the shared store, and every later one is served
 /// from memory, whichever process completed the request. Bounded by `max_records`: past it,
 /// the oldest cached records make room for new ones, and a record evicted early is simply
-/// read from `inner` again.
+/// read from `inner` again; expired copies at the front of that order go as new ones come
+/// in, so a cache larger than the live records holds little more than those. A cache of
+/// `0` records keeps none: every operation goes to `inner`.
 ///
 /// The store says how long is left: PostgreSQL by its own clock, Redis by the clock of the
 /// process that completed the record (Redis reports no TTL with the claim). Where hosts'
@@ -56,7 +59,6 @@ use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Debug)]
 pub struct CachedStore<S: ?Sized> {
     inner: Arc<S>,
     shards: Shards<Shard>,
@@ -71,7 +73,7 @@ struct CacheCounters {
     misses: Counter,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Shard {
     records: Table<Arc<str>, Cached>,
     /// Keys in the order they were cached, oldest first: a full shard evicts from the front.
@@ -80,7 +82,6 @@ struct Shard {
     order: VecDeque<Arc<str>>,
 }
 
-#[derive(Debug)]
 struct Cached {
     fingerprint: Fingerprint,
     response: StoredResponse,
@@ -111,7 +112,7 @@ impl<S: Store + ?Sized> CachedStore<S> {
         Self {
             inner,
             shards: Shards::new(Shard::default),
-            max_per_shard: (max_records / SHARDS).max(1),
+            max_per_shard: max_records.div_ceil(SHARDS),
             counters: OnceLock::new(),
         }
     }
@@ -128,6 +129,16 @@ impl<S: Store + ?Sized> CachedStore<S> {
         &self.inner
     }
 
+    /// How many copies the cache holds, expired ones not yet dropped included.
+    pub fn len(&self) -> usize {
+        self.shards.each().map(|shard| shard.records.len()).sum()
+    }
+
+    /// Whether the cache holds no copy.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     fn shard(&self, key: Hashed<'_>) -> MutexGuard<'_, Shard> {
         self.shards.lock(key)
     }
@@ -140,7 +151,25 @@ impl<S: Store + ?Sized> CachedStore<S> {
         response: &StoredResponse,
         expires_in: Duration,
     ) {
+        if self.max_per_shard == 0 {
+            return;
+        }
         let mut shard = self.shard(key);
+        let now = Instant::now();
+        // Expired copies at the front go first: records mostly share a TTL, so the oldest
+        // cached expire first.
+        while let Some(oldest) = shard.order.front().cloned() {
+            let oldest = self.shards.hash(&oldest);
+            if shard
+                .records
+                .get(oldest)
+                .is_some_and(|c| c.expires_at > now)
+            {
+                break;
+            }
+            shard.records.remove(oldest);
+            shard.order.pop_front();
+        }
         while shard.order.len() >= self.max_per_shard {
             let Some(oldest) = shard.order.pop_front() else {
                 break;
@@ -152,9 +181,22 @@ impl<S: Store + ?Sized> CachedStore<S> {
         let cached = Cached {
             fingerprint,
             response: response.clone(),
-            expires_at: Instant::now() + expires_in,
+            expires_at: now + expires_in,
         };
         shard.records.insert(key, || owned, cached);
+    }
+}
+
+/// Settings and a count, never records: a record's scope names a principal and its key, and
+/// its body may be anyone's.
+impl<S: fmt::Debug + ?Sized> fmt::Debug for CachedStore<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let cached: usize = self.shards.each().map(|shard| shard.records.len()).sum();
+        f.debug_struct("CachedStore")
+            .field("inner", &self.inner)
+            .field("max_records", &(self.max_per_shard * SHARDS))
+            .field("cached", &cached)
+            .finish()
     }
 }
 
@@ -237,5 +279,76 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
 
     fn commits_handler_writes(&self) -> bool {
         self.inner.commits_handler_writes()
+    }
+}
+
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use http::{HeaderValue, StatusCode};
+
+    use super::*;
+    use crate::{IdempotencyKey, MemoryStore};
+
+    fn scope(key: &str) -> Scope {
+        let key = IdempotencyKey::parse(&HeaderValue::from_str(key).unwrap()).unwrap();
+        Scope::new(Some("user_7342".into()), "POST /pay".into(), key)
+    }
+
+    /// Completes `key` in the store behind, then claims it through the cache: the claim
+    /// reads the completed record, which the cache keeps.
+    async fn replay_through(cache: &CachedStore<MemoryStore>, key: &str, ttl: Duration) {
+        let scope = scope(key);
+        let fingerprint = Fingerprint::from_bytes([1; 32]);
+        let lease = Duration::from_secs(5);
+        let Claim::Claimed(token) = cache.claim(&scope, fingerprint, lease).await.unwrap() else {
+            panic!("a fresh key");
+        };
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Default::default(),
+            body: "card=4242424242424242".into(),
+            trailers: None,
+        };
+        let completed = cache.complete(&scope, token, fingerprint, &response, ttl);
+        assert_eq!(completed.await.unwrap(), Fenced::Applied);
+        let replay = cache.claim(&scope, fingerprint, lease).await.unwrap();
+        assert!(matches!(replay, Claim::Completed { .. }), "{replay:?}");
+    }
+
+    #[tokio::test]
+    async fn a_cache_of_zero_records_keeps_none() {
+        let cache = CachedStore::new(MemoryStore::new(), 0);
+        replay_through(&cache, "k", Duration::from_secs(60)).await;
+        assert!(cache.is_empty());
+    }
+
+    /// A cache far larger than its live records drops expired copies as new ones come in,
+    /// instead of keeping every record ever replayed.
+    #[tokio::test]
+    async fn expired_copies_go_as_new_ones_come() {
+        let cache = CachedStore::new(MemoryStore::new(), usize::MAX);
+        for round in 0..5 {
+            for i in 0..200 {
+                let key = format!("k{round}-{i}");
+                replay_through(&cache, &key, Duration::from_millis(20)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+        // Each shard keeps at most the one expired copy at its front that the next
+        // admission would drop, besides the last round's.
+        assert!(cache.len() <= 200 + SHARDS, "{} copies kept", cache.len());
+    }
+
+    /// The cache's debug output (which the layer's includes) shows settings and a count,
+    /// never a cached record's key, principal or body.
+    #[tokio::test]
+    async fn debug_shows_no_record() {
+        let cache = CachedStore::new(MemoryStore::new(), 1000);
+        replay_through(&cache, "order-42-secret", Duration::from_secs(60)).await;
+        let shown = format!("{cache:?}");
+        assert!(shown.contains("cached: 1"), "{shown}");
+        for secret in ["order-42-secret", "user_7342", "4242424242424242"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
     }
 }

@@ -65,7 +65,6 @@ impl<T> Shards<T> {
     }
 
     /// Every shard, locked one after the other.
-    #[cfg(any(test, feature = "memory"))]
     pub(crate) fn each(&self) -> impl Iterator<Item = MutexGuard<'_, T>> {
         self.shards.iter().map(lock)
     }
@@ -102,7 +101,6 @@ impl<K, V> Default for Table<K, V> {
 }
 
 impl<K: Borrow<str>, V> Table<K, V> {
-    #[cfg(any(test, feature = "memory"))]
     pub(crate) fn len(&self) -> usize {
         self.slots.len()
     }
