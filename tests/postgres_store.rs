@@ -875,3 +875,33 @@ async fn a_purge_never_deletes_a_row_a_concurrent_claim_took() {
     drop_table(&table).await;
     assert!(lost.is_empty(), "claims purged: {lost:?}");
 }
+
+/// Settings the pool and the purge cannot take are refused or bounded when configured,
+/// never turned into a panic later: a zero purge interval would end the purging task
+/// unseen; a pool sized past PostgreSQL's own limit is held to it (it reserves room for
+/// every connection up front) and still serves.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn pool_and_purge_settings_are_checked_when_configured() {
+    let store = support::postgres_store().await;
+    let purge = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        store.spawn_purge(Duration::ZERO)
+    }));
+    let refused = purge.expect_err("a zero purge interval taken");
+    let message = refused.downcast_ref::<&str>().copied();
+    assert!(
+        message.is_some_and(|m| m.contains("spawn_purge")),
+        "{message:?}"
+    );
+    let store = store.max_connections(usize::MAX);
+    let scope = scope("huge-pool", Some("alice"));
+    let claimed = store
+        .claim(
+            &scope,
+            Fingerprint::from_bytes([0; 32]),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(claimed, Claim::Claimed(_)), "{claimed:?}");
+}

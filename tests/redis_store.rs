@@ -1084,3 +1084,19 @@ async fn a_full_cache_keeps_its_newest_records_within_its_bound() {
     );
     assert!(!cached.contains(&0), "the oldest record is still cached");
 }
+
+/// A zero command timeout would answer every request `503`: refused when configured.
+#[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
+async fn a_zero_timeout_is_refused_when_configured() {
+    let store = support::redis_store("zero_timeout").await;
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        store.timeout(Duration::ZERO)
+    }));
+    let refused = refused.expect_err("a zero timeout taken");
+    let message = refused.downcast_ref::<&str>().copied();
+    assert!(
+        message.is_some_and(|m| m.contains("timeout")),
+        "{message:?}"
+    );
+}

@@ -166,6 +166,10 @@ impl<P> IdempotentClientLayer<P> {
     /// answer or failure is returned. An attempt in flight at the deadline times out. At
     /// most a year: a longer one (`Duration::MAX` for none) is taken as a year.
     ///
+    /// # Panics
+    ///
+    /// If `deadline` is zero: every call would fail, some after the server took them.
+    ///
     /// # Example
     ///
     /// ```
@@ -175,6 +179,10 @@ impl<P> IdempotentClientLayer<P> {
     /// let layer = IdempotentClientLayer::new().deadline(Duration::from_secs(60));
     /// ```
     pub fn deadline(self, deadline: Duration) -> Self {
+        assert!(
+            !deadline.is_zero(),
+            "IdempotentClientLayer::deadline must be more than zero"
+        );
         self.with(|s| s.deadline = deadline.min(LONGEST))
     }
 
@@ -183,6 +191,10 @@ impl<P> IdempotentClientLayer<P> {
     /// the server was still working on it.
     ///
     /// [`Failure::TimedOut`]: super::Failure::TimedOut
+    ///
+    /// # Panics
+    ///
+    /// If `timeout` is zero: every attempt would time out, some after the server took it.
     ///
     /// # Example
     ///
@@ -193,6 +205,10 @@ impl<P> IdempotentClientLayer<P> {
     /// let layer = IdempotentClientLayer::new().attempt_timeout(Duration::from_secs(2));
     /// ```
     pub fn attempt_timeout(self, timeout: Duration) -> Self {
+        assert!(
+            !timeout.is_zero(),
+            "IdempotentClientLayer::attempt_timeout must be more than zero"
+        );
         self.with(|s| s.attempt_timeout = Some(timeout))
     }
 

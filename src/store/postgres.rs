@@ -410,7 +410,8 @@ impl PostgresStore {
         self
     }
 
-    /// Lets the store's pool hold up to `connections` (at least one) instead of 16.
+    /// Lets the store's pool hold up to `connections` (at least one, at most
+    /// PostgreSQL's own limit of 262 143) instead of 16.
     ///
     /// Size it for the store calls that run at once: in the
     /// [`transactional`](Self::transactional) mode each execution holds a connection for
@@ -431,7 +432,10 @@ impl PostgresStore {
     /// # }
     /// ```
     pub fn max_connections(self, connections: usize) -> Self {
-        self.pool.resize(connections.max(1));
+        // The pool reserves room for every connection up front: a huge number would
+        // allocate for connections no server takes.
+        const MOST: usize = 262_143;
+        self.pool.resize(connections.clamp(1, MOST));
         self
     }
 
@@ -628,7 +632,16 @@ impl PostgresStore {
 
     /// Runs [`purge_expired`](Self::purge_expired) every `interval` until the handle is
     /// aborted; failures are logged and retried at the next tick.
+    ///
+    /// # Panics
+    ///
+    /// If `interval` is zero, here rather than in the task, where the panic would end the
+    /// purging unseen.
     pub fn spawn_purge(&self, interval: Duration) -> JoinHandle<()> {
+        assert!(
+            !interval.is_zero(),
+            "PostgresStore::spawn_purge: the interval must be more than zero"
+        );
         let store = self.clone();
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(interval);

@@ -590,6 +590,10 @@ impl RedisStore {
     /// that finds its script missing on the server (`NOSCRIPT`) sends it whole, within a
     /// bound of its own. Default: 2 seconds.
     ///
+    /// # Panics
+    ///
+    /// If `timeout` is zero: no command could be answered.
+    ///
     /// # Example
     ///
     /// ```no_run
@@ -603,6 +607,10 @@ impl RedisStore {
     /// # }
     /// ```
     pub fn timeout(mut self, timeout: Duration) -> Self {
+        assert!(
+            !timeout.is_zero(),
+            "RedisStore::timeout must be more than zero: no command could be answered"
+        );
         self.timeout = timeout;
         self
     }
