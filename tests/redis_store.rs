@@ -1100,3 +1100,59 @@ async fn a_zero_timeout_is_refused_when_configured() {
         "{message:?}"
     );
 }
+
+/// A `WAIT` holds its connection, and every command queued behind it, for the replicas'
+/// wait: a wait the store's timeout (or its connections' own, 2 s) does not cover is
+/// refused when configured (with a replica missing, every command, replays included,
+/// would fail). One they cover, on a Redis with no replica: a best-effort claim waits it
+/// out and takes the key, and a replay queued behind that `WAIT` is still answered.
+#[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
+async fn a_replicas_wait_must_fit_in_the_store_timeout() {
+    let plain = support::redis_store("replicas_wait").await;
+    let refusal = |configure: &dyn Fn() -> RedisStore| {
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(configure));
+        let refused = refused.expect_err("a wait the timeouts do not cover taken");
+        refused
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_default()
+    };
+    let past_connections = refusal(&|| {
+        let store = plain.clone().timeout(Duration::from_secs(5));
+        store.replicas(1, Duration::from_millis(2200))
+    });
+    assert!(
+        past_connections.contains("response timeout"),
+        "{past_connections}"
+    );
+    let past_store = refusal(&|| {
+        let store = plain.clone().replicas(1, Duration::from_millis(500));
+        store.timeout(Duration::from_millis(500))
+    });
+    assert!(
+        past_store.contains("raise RedisStore::timeout first"),
+        "{past_store}"
+    );
+
+    let done = scope("done");
+    let token = claimed(&plain, &done, fingerprint(1), Duration::from_secs(30)).await;
+    let response = binary_response();
+    let ttl = Duration::from_secs(60);
+    let completed = plain.complete(&done, token, fingerprint(1), &response, ttl);
+    assert_eq!(completed.await.unwrap(), Fenced::Applied);
+    let wait = Duration::from_millis(500);
+    let replicated = plain.clone().replicas(1, wait).replicas_best_effort();
+    let fresh = scope("fresh");
+    let (fresh, replay) = tokio::join!(
+        replicated.claim(&fresh, fingerprint(2), Duration::from_secs(30)),
+        async {
+            sleep(Duration::from_millis(50)).await;
+            replicated
+                .claim(&done, fingerprint(1), Duration::from_secs(30))
+                .await
+        }
+    );
+    assert!(matches!(fresh, Ok(Claim::Claimed(_))), "{fresh:?}");
+    assert!(matches!(replay, Ok(Claim::Completed { .. })), "{replay:?}");
+}

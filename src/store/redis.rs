@@ -592,7 +592,8 @@ impl RedisStore {
     ///
     /// # Panics
     ///
-    /// If `timeout` is zero: no command could be answered.
+    /// If `timeout` is zero (no command could be answered), or not longer than the
+    /// replicas' wait ([`replicas`](Self::replicas)), which every command may queue behind.
     ///
     /// # Example
     ///
@@ -611,6 +612,9 @@ impl RedisStore {
             !timeout.is_zero(),
             "RedisStore::timeout must be more than zero: no command could be answered"
         );
+        if let Some(acks) = self.acks {
+            assert_waits_fit(acks.timeout, timeout);
+        }
         self.timeout = timeout;
         self
     }
@@ -621,9 +625,10 @@ impl RedisStore {
     ///
     /// A claim that writes nothing (a replay, a duplicate of a running request, a key reused
     /// with other parameters) is answered from what it read, whatever the replicas say:
-    /// replays go on with no replica attached. A claim that takes the key and is not
-    /// acknowledged in time fails: the layer releases it and answers `503`, and the handler
-    /// does not run (unless [`replicas_best_effort`](Self::replicas_best_effort)). A
+    /// replays go on with no replica attached, each after its batch's `WAIT` (below). A
+    /// claim that takes the key and is not acknowledged in time fails: the layer releases it
+    /// and answers `503`, and the handler does not run (unless
+    /// [`replicas_best_effort`](Self::replicas_best_effort)). A
     /// completion that its primary applied but the replicas did not acknowledge within
     /// `timeout` is answered then, counted
     /// (`idempotency_replica_acks_missing_total{operation="complete"}`) and logged, and
@@ -636,6 +641,18 @@ impl RedisStore {
     /// replicas: after a failover promotes one, `count` remain to acknowledge. With fewer,
     /// new operations get `503` until a replica is attached again (acknowledgements then
     /// resume by themselves), while replays go on.
+    ///
+    /// A `WAIT` holds the connection it is sent on until the replicas answer or `timeout`
+    /// passes (one closes each batch of commands that holds a claim or a completion), and
+    /// every command sent on that connection after it waits as long. With the replicas
+    /// answering, that is a replica's round trip; with one missing, each such batch waits
+    /// the whole `timeout`, the batches behind it (replays too: a claim cannot know it
+    /// will write nothing) add theirs, and under load commands fail past the store's
+    /// [`timeout`](Self::timeout). So keep `timeout` to a fraction of the store's (a
+    /// quarter, say), and alert on a missing replica. It must be shorter than the store's
+    /// timeout (2 s by default; raise that first) and than its connections' own response
+    /// timeout (2 s): a longer one fails every operation the first time a replica is
+    /// missing.
     ///
     /// `WAIT` is not consensus: a failover may promote a replica that had not acknowledged
     /// (when more replicas exist than `count`), and a write acknowledged by replicas is
@@ -654,7 +671,15 @@ impl RedisStore {
     /// # Ok(())
     /// # }
     /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `count` is not zero and `timeout` is not shorter than the store's
+    /// [`timeout`](Self::timeout) and than 2 s.
     pub fn replicas(mut self, count: u32, timeout: Duration) -> Self {
+        if count > 0 {
+            assert_waits_fit(timeout, self.timeout);
+        }
         self.acks = (count > 0).then_some(Replicas { count, timeout });
         self
     }
@@ -861,6 +886,23 @@ impl RedisStore {
             None => 0,
         }
     }
+}
+
+/// Refuses a replicas' wait that the store's command timeout, or its connections' own
+/// response timeout, cannot cover: with a replica missing, each `WAIT` would hold the
+/// connection past every queued command's timeout.
+fn assert_waits_fit(wait: Duration, timeout: Duration) {
+    assert!(
+        wait < RESPONSE_TIMEOUT,
+        "RedisStore: the replicas' wait ({wait:?}) must be shorter than the connections' \
+         response timeout ({RESPONSE_TIMEOUT:?}), which a WAIT counts against"
+    );
+    assert!(
+        wait < timeout,
+        "RedisStore: the replicas' wait ({wait:?}) must be shorter than the store's timeout \
+         ({timeout:?}), which every command queued behind a WAIT counts against: raise \
+         RedisStore::timeout first"
+    );
 }
 
 fn nodelay() -> TcpSettings {
