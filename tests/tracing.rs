@@ -15,13 +15,27 @@ use support::{
 use tower::ServiceExt;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, SpanField, Store};
 
-/// The default digest of `value`: the first 12 hex digits of its SHA-256.
-fn digest(value: &str) -> String {
+/// The first 12 hex digits of `value`'s plain SHA-256: what anyone could compute from a
+/// guess, which a digest in the logs must not be.
+fn unkeyed_digest(value: &str) -> String {
     Sha256::digest(value.as_bytes())
         .iter()
         .take(6)
         .map(|byte| format!("{byte:02x}"))
         .collect()
+}
+
+/// The values the captured logs show for `field`, each once.
+fn shown(logs: &str, field: &str) -> Vec<String> {
+    let mut values: Vec<String> = logs
+        .split(&format!(" {field}=\""))
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .map(str::to_owned)
+        .collect();
+    values.sort();
+    values.dedup();
+    values
 }
 
 fn store() -> Arc<dyn Store> {
@@ -50,8 +64,24 @@ async fn key_and_principal_are_digests_by_default() {
     let logs = logs.dump();
     assert!(!logs.contains("order-42-secret"), "the raw key: {logs}");
     assert!(!logs.contains("alice"), "the raw principal: {logs}");
-    let lines = lines_with(&logs, &digest("order-42-secret"));
-    let principal = format!("principal=\"{}\"", digest("alice"));
+    // One digest each, the same on every line: 12 hex digits, keyed (not the plain
+    // SHA-256 that a guess of the value would give).
+    let (keys, principals) = (shown(&logs, "key"), shown(&logs, "principal"));
+    assert_eq!((keys.len(), principals.len()), (1, 1), "{logs}");
+    for (shown, value) in [(&keys[0], "order-42-secret"), (&principals[0], "alice")] {
+        assert_eq!(shown.len(), 12, "{shown}");
+        assert!(
+            shown.bytes().all(|digit| digit.is_ascii_hexdigit()),
+            "{shown}"
+        );
+        assert_ne!(
+            shown,
+            &unkeyed_digest(value),
+            "an unkeyed digest of {value}"
+        );
+    }
+    let lines = lines_with(&logs, &keys[0]);
+    let principal = format!("principal=\"{}\"", principals[0]);
     assert!(lines.iter().all(|line| line.contains(&principal)), "{logs}");
     assert!(lines
         .iter()

@@ -11,8 +11,9 @@ use std::{
     time::Duration,
 };
 
+use hmac::{Hmac, Mac};
 use metrics::{Counter, Gauge, Histogram};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 use tracing::{Level, Span};
 
 use crate::store::{self, Claim, Fenced};
@@ -291,8 +292,10 @@ impl std::fmt::Debug for Meters {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SpanField {
-    /// The first 12 hex digits of the value's SHA-256: enough to follow one key through
-    /// the logs, nothing to read it back from. The default.
+    /// The first 12 hex digits of the value's HMAC-SHA-256 under a key drawn once per
+    /// process: enough to follow one key through a process's logs, and nothing to read it
+    /// back from, even for a value that can be guessed (another process shows another
+    /// digest). The default.
     #[default]
     Digest,
     /// The value itself.
@@ -400,8 +403,21 @@ fn describe() {
     );
 }
 
-fn short_digest(value: &str) -> String {
-    let digest = Sha256::digest(value.as_bytes());
+/// The first 12 hex digits of `value`'s HMAC-SHA-256 under a key drawn once per process:
+/// the same value shows the same digest throughout one process's logs, and a value that
+/// can be guessed (a numeric user id) cannot be found again by hashing guesses, as a plain
+/// SHA-256 of it could.
+pub(crate) fn short_digest(value: &str) -> String {
+    static KEY: OnceLock<Hmac<Sha256>> = OnceLock::new();
+    let key = KEY.get_or_init(|| {
+        let secret: [u8; 32] = rand::random();
+        Hmac::new_from_slice(&secret).unwrap_or_else(|_| unreachable!("any length is a key"))
+    });
+    let digest = key
+        .clone()
+        .chain_update(value.as_bytes())
+        .finalize()
+        .into_bytes();
     let mut hex = String::with_capacity(12);
     for byte in &digest[..6] {
         let _ = write!(hex, "{byte:02x}");
@@ -506,8 +522,13 @@ mod tests {
     }
 
     #[test]
-    fn a_digest_is_short_and_stable() {
-        assert_eq!(short_digest("abc"), "ba7816bf8f01");
-        assert_ne!(short_digest("abc"), short_digest("abd"));
+    fn a_digest_is_short_stable_and_keyed() {
+        let abc = short_digest("abc");
+        assert_eq!(abc.len(), 12);
+        assert!(abc.bytes().all(|digit| digit.is_ascii_hexdigit()));
+        assert_eq!(short_digest("abc"), abc);
+        assert_ne!(short_digest("abd"), abc);
+        // Not the plain SHA-256 of the value, which anyone could compute from a guess.
+        assert_ne!(abc, "ba7816bf8f01");
     }
 }
