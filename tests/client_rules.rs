@@ -158,3 +158,54 @@ fn zero_durations_are_refused_when_configured() {
         assert!(message.unwrap().contains(name), "{message:?}");
     }
 }
+
+/// The client's retry log and its error name the call's attempts, never its key, which
+/// anyone reading the logs could send again: the log shows the key's digest.
+#[tokio::test]
+async fn the_client_logs_no_key() {
+    use std::sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    };
+    use tower::{Layer, ServiceExt};
+    let (logs, _guard) = support::logs::Logs::capture();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let server = {
+        let attempts = attempts.clone();
+        tower::service_fn(move |_: http::Request<Full<Bytes>>| {
+            // A 503, then no answer in time: retried, then given up.
+            let first = attempts.fetch_add(1, Ordering::SeqCst) == 0;
+            async move {
+                if !first {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+                let answer = http::Response::builder().status(StatusCode::SERVICE_UNAVAILABLE);
+                Ok::<_, std::convert::Infallible>(answer.body(Full::new(Bytes::new())).unwrap())
+            }
+        })
+    };
+    let client = IdempotentClientLayer::new()
+        .backoff(Backoff::new(
+            Duration::from_millis(1),
+            Duration::from_millis(1),
+        ))
+        .max_attempts(2)
+        .attempt_timeout(Duration::from_millis(100))
+        .layer(server);
+    let request = http::Request::post("http://processor/v1/payments")
+        .header("idempotency-key", "client-key-0000-secret")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let error = client
+        .oneshot(request)
+        .await
+        .expect_err("no answer in time");
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+    let logs = logs.dump();
+    assert!(logs.contains("idempotent call: retrying"), "{logs}");
+    assert!(!logs.contains("client-key-0000-secret"), "{logs}");
+    assert!(
+        !error.to_string().contains("client-key-0000-secret"),
+        "{error}"
+    );
+}

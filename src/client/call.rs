@@ -102,8 +102,8 @@ impl<E: fmt::Display> fmt::Display for ClientError<E> {
         match &self.call {
             Some(call) => write!(
                 f,
-                "no answer after {} attempt(s) with idempotency key {}: {}",
-                call.attempts, call.key, self.failure
+                "no answer after {} attempt(s): {}",
+                call.attempts, self.failure
             ),
             None => self.failure.fmt(f),
         }

@@ -86,6 +86,9 @@ where
             let wait = backoff.max(told);
             // No attempt starts, and no wait ends, at or past the deadline.
             if ends_in_time(Instant::now(), wait, deadline) {
+                // The key's digest, as the server's span shows keys: logs are no place for
+                // a key another caller could replay.
+                let key = crate::server::short_digest(&key);
                 tracing::debug!(%key, attempts, ?wait, "idempotent call: retrying");
                 drop(outcome);
                 sleep(wait).await;

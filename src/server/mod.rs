@@ -67,4 +67,6 @@ pub use replay::REPLAYED_HEADER;
 pub use request_body::{HandOnBody, RequestBody};
 pub use scope::Scope;
 pub use service::Idempotency;
+#[cfg(feature = "client")]
+pub(crate) use telemetry::short_digest;
 pub use telemetry::SpanField;
