@@ -137,40 +137,13 @@ async fn the_grpc_payments_example_keeps_its_contract() {
     let binary = support::payments::build_example("grpc_payments");
     // One prefix for both instances, under the `test:` keys the test script removes.
     let prefix = support::unique_prefix("grpc_payments_example");
-    let start = |port: u16| {
-        let child = std::process::Command::new(&binary)
-            .env("GRPC_ADDR", format!("127.0.0.1:{port}"))
-            .env("REDIS_URL", support::redis_url())
-            .env("IDEMPOTENCY_PREFIX", &prefix)
-            .env_remove("REDIS_CLUSTER_URLS")
-            .env_remove("REDIS_SENTINEL_URLS")
-            .env_remove("DATABASE_URL")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start the grpc_payments example");
-        KillOnDrop(child)
-    };
-    let free_port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
+    let redis = [
+        ("REDIS_URL", support::redis_url()),
+        ("IDEMPOTENCY_PREFIX", prefix),
+    ];
     let (a, b) = (free_port(), free_port());
-    let _first = start(a);
-    let _second = start(b);
-    let connect = |port: u16| async move {
-        for _ in 0..200 {
-            let endpoint = Channel::from_shared(format!("http://127.0.0.1:{port}")).unwrap();
-            if let Ok(channel) = endpoint.connect().await {
-                return channel;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("grpc_payments on port {port} never answered");
-    };
+    let _first = start_example(&binary, a, &redis);
+    let _second = start_example(&binary, b, &redis);
     let (one, two) = (connect(a).await, connect(b).await);
     let key = support::payments::fresh_key();
     let first = charge(&one, Some(&key), request(700, "", 0)).await.unwrap();
@@ -183,6 +156,69 @@ async fn the_grpc_payments_example_keeps_its_contract() {
         charges_executed(&one).await + charges_executed(&two).await,
         1
     );
+}
+
+/// SIGTERM (how a process manager stops a service) lets the `grpc_payments` example finish
+/// the charge it is running, answer it, and exit cleanly, as `payments` does: it stopped
+/// only on Ctrl-C, so SIGTERM killed it mid-charge.
+#[tokio::test]
+async fn the_grpc_payments_example_finishes_its_charges_on_sigterm() {
+    let binary = support::payments::build_example("grpc_payments");
+    let port = free_port();
+    let mut example = start_example(&binary, port, &[]);
+    let channel = connect(port).await;
+    let running = tokio::spawn({
+        let channel = channel.clone();
+        async move { charge(&channel, Some("on-sigterm"), request(900, "slow", 800)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let pid = example.0.id().to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status();
+    assert!(sent.unwrap().success());
+    let answered = running.await.unwrap();
+    assert!(answered.is_ok(), "the running charge was cut: {answered:?}");
+    let status = tokio::task::spawn_blocking(move || example.0.wait())
+        .await
+        .unwrap();
+    assert!(
+        status.unwrap().success(),
+        "the example did not exit cleanly"
+    );
+}
+
+/// The `grpc_payments` example on `port`, with `env` (in memory without any).
+fn start_example(binary: &std::path::Path, port: u16, env: &[(&str, String)]) -> KillOnDrop {
+    let child = std::process::Command::new(binary)
+        .env("GRPC_ADDR", format!("127.0.0.1:{port}"))
+        .env_remove("REDIS_URL")
+        .env_remove("REDIS_CLUSTER_URLS")
+        .env_remove("REDIS_SENTINEL_URLS")
+        .env_remove("DATABASE_URL")
+        .envs(env.iter().map(|(name, value)| (name, value)))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the grpc_payments example");
+    KillOnDrop(child)
+}
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// A channel to the example on `port`, once it answers.
+async fn connect(port: u16) -> Channel {
+    for _ in 0..200 {
+        let endpoint = Channel::from_shared(format!("http://127.0.0.1:{port}")).unwrap();
+        if let Ok(channel) = endpoint.connect().await {
+            return channel;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("grpc_payments on port {port} never answered");
 }
 
 struct KillOnDrop(std::process::Child);

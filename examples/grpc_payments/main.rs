@@ -63,9 +63,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing::info!("grpc_payments listening on {addr}");
     Server::builder()
         .add_service(service)
-        .serve_with_shutdown(addr.parse()?, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .serve_with_shutdown(addr.parse()?, store::shutdown())
         .await?;
     in_flight.settled(std::time::Duration::from_secs(30)).await;
     Ok(())

@@ -120,11 +120,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         {
             settings.ledger = Some(app::ledger::Ledger::connect(&url).await?);
         }
+        // Not the URL itself: it may hold a password.
         #[cfg(not(feature = "postgres"))]
-        return Err(format!(
-            "PAYMENTS_LEDGER is set (DATABASE_URL={url}), but this build has no `postgres` feature"
-        )
-        .into());
+        {
+            let _ = url;
+            return Err("PAYMENTS_LEDGER is set, but this build has no `postgres` feature".into());
+        }
     }
     if let Ok(url) = std::env::var("PAYMENTS_PROCESSOR_URL") {
         #[cfg(feature = "client")]
@@ -149,7 +150,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!("payments listening on http://{}", listener.local_addr()?);
     axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown())
+        .with_graceful_shutdown(store::shutdown())
         .await?;
     // Executions whose client went away still record their outcome before the process ends.
     if !stats.in_flight.settled(SHUTDOWN_GRACE).await {
@@ -207,13 +208,4 @@ fn install_metrics() -> Result<PrometheusHandle, Box<dyn std::error::Error>> {
         }
     });
     Ok(handle)
-}
-
-async fn shutdown() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
 }

@@ -72,8 +72,14 @@ pub async fn from_env() -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
             }
             return Ok(shared(Arc::new(store)));
         }
+        // Not the URL itself: it may hold a password.
         #[cfg(not(feature = "postgres"))]
-        tracing::warn!(%url, "DATABASE_URL is set, but this build has no `postgres` feature: using memory");
+        {
+            let _ = url;
+            tracing::warn!(
+                "DATABASE_URL is set, but this build has no `postgres` feature: using memory"
+            );
+        }
     }
     if transactional.is_some() {
         return Err("IDEMPOTENCY_TRANSACTIONAL needs DATABASE_URL".into());
@@ -219,4 +225,15 @@ pub fn init_logging() {
                 .unwrap_or_else(|_| "info,tower_idempotency=info".into()),
         )
         .init();
+}
+
+/// Returns on SIGTERM (how a process manager stops a service) or Ctrl-C: the examples then
+/// stop accepting requests and wait for the executions still running to be recorded.
+pub async fn shutdown() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
 }
