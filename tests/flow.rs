@@ -1456,11 +1456,12 @@ async fn a_retry_with_its_path_spelled_another_way_replays() {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
-/// Durations the stores cannot reach (a TTL meant as "forever", `Duration::MAX`) are
-/// refused when the layer is configured, with a message naming the setting: taken, the
-/// memory store's completion overflowed its clock and panicked after the handler ran,
-/// leaving the key in progress until its lease ended and the retry executed again. (The
-/// longest accepted values work on every store: `the_longest_durations_are_kept`.)
+/// Durations the stores cannot reach (a TTL meant as "forever", `Duration::MAX`), and an
+/// empty set of methods (nothing protected), are refused when the layer is configured,
+/// with a message naming the setting. A `Duration::MAX` TTL, taken, overflowed the memory
+/// store's clock in its completion after the handler ran, leaving the key in progress
+/// until its lease ended, and the retry executed again. (The longest accepted values work
+/// on every store: `the_longest_durations_are_kept`.)
 #[tokio::test]
 async fn durations_past_what_a_store_keeps_are_refused_when_configured() {
     let configure = |setting: fn(IdempotencyLayer) -> IdempotencyLayer| {
@@ -1475,6 +1476,7 @@ async fn durations_past_what_a_store_keeps_are_refused_when_configured() {
         (|layer| layer.ttl(Duration::ZERO), "ttl"),
         (|layer| layer.lease(Duration::MAX), "lease"),
         (|layer| layer.wait_for_original(Duration::MAX), "wait"),
+        (|layer| layer.methods([]), "methods"),
     ] {
         let refused = configure(setting)
             .err()

@@ -152,6 +152,10 @@ impl IdempotencyLayer {
     /// The methods handled; every other request passes straight through, unbuffered.
     /// Default: `POST`, `PATCH`.
     ///
+    /// # Panics
+    ///
+    /// If `methods` is empty: the layer would protect nothing, `required()` routes included.
+    ///
     /// # Example
     ///
     /// ```
@@ -161,6 +165,10 @@ impl IdempotencyLayer {
     /// ```
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.config.methods = methods.into_iter().collect();
+        assert!(
+            !self.config.methods.is_empty(),
+            "IdempotencyLayer::methods needs at least one method: with none, nothing is protected"
+        );
         self
     }
 
