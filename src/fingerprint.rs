@@ -5,7 +5,7 @@ use std::fmt;
 use http::{header::VARY, request::Parts, HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
 
-use crate::request_path;
+use crate::request_path::RequestPath;
 
 /// SHA-256 over the method, path, query, configured headers and body of a request (the
 /// path and query normalized: percent-encoded unreserved characters decoded).
@@ -17,7 +17,7 @@ pub struct Fingerprint([u8; 32]);
 impl Fingerprint {
     /// The fingerprint of a buffered request.
     pub fn of(parts: &Parts, headers: &[HeaderName], body: &[u8]) -> Self {
-        Self::of_tagged(None, parts, headers, body)
+        Self::of_tagged(None, parts, &RequestPath::of(parts), headers, body)
     }
 
     /// [`of`](Self::of), with `body` standing for the request's body as a
@@ -27,6 +27,7 @@ impl Fingerprint {
     pub(crate) fn of_tagged(
         tag: Option<&[u8]>,
         parts: &Parts,
+        sent: &RequestPath<'_>,
         headers: &[HeaderName],
         body: &[u8],
     ) -> Self {
@@ -41,8 +42,8 @@ impl Fingerprint {
         }
         part(parts.method.as_str().as_bytes());
         // As the scope reads them: as sent, in one spelling.
-        part(request_path::path(parts).as_bytes());
-        part(request_path::query(parts).as_bytes());
+        part(sent.path.as_bytes());
+        part(sent.query.as_bytes());
         for name in headers {
             part(name.as_str().as_bytes());
             // Counted, so that a value cannot pass for the next header's name.

@@ -6,14 +6,21 @@ use std::borrow::Cow;
 
 use http::{request::Parts, Uri};
 
-/// The request's path, as [`sent`] and [`normalized`].
-pub(crate) fn path(parts: &Parts) -> Cow<'_, str> {
-    normalized(sent(parts).path())
+/// A request's path and query (empty without one), as [`sent`] and [`normalized`]: read
+/// once per request, for its scope and its fingerprint both.
+pub(crate) struct RequestPath<'a> {
+    pub(crate) path: Cow<'a, str>,
+    pub(crate) query: Cow<'a, str>,
 }
 
-/// The request's query (empty without one), as [`sent`] and [`normalized`].
-pub(crate) fn query(parts: &Parts) -> Cow<'_, str> {
-    normalized(sent(parts).query().unwrap_or(""))
+impl<'a> RequestPath<'a> {
+    pub(crate) fn of(parts: &'a Parts) -> Self {
+        let uri = sent(parts);
+        Self {
+            path: normalized(uri.path()),
+            query: normalized(uri.query().unwrap_or("")),
+        }
+    }
 }
 
 /// The URI the client sent. A router that nests routes (axum's `nest`) strips the prefix it

@@ -8,7 +8,7 @@ use super::{
     canonical_json::{self, Parsed},
     json_pointer,
 };
-use crate::Fingerprint;
+use crate::{request_path::RequestPath, Fingerprint};
 
 /// How a layer fingerprints the body of a keyed request, set with
 /// [`IdempotencyLayer::fingerprint`](crate::IdempotencyLayer::fingerprint). A retry matches
@@ -144,19 +144,21 @@ impl BodyFingerprint {
     pub(crate) fn of(
         &self,
         parts: &Parts,
+        sent: &RequestPath<'_>,
         headers: &[HeaderName],
         body: Parsed<'_>,
     ) -> Fingerprint {
         let bytes = body.body();
+        let of = |tag: Option<&[u8]>, body: &[u8]| {
+            Fingerprint::of_tagged(tag, parts, sent, headers, body)
+        };
         match &self.0 {
-            Kind::Raw => Fingerprint::of(parts, headers, bytes),
+            Kind::Raw => of(None, bytes),
             Kind::Json { tag, ignored } => match canonical(body, ignored) {
-                Some(canonical) => Fingerprint::of_tagged(Some(tag), parts, headers, &canonical),
-                None => Fingerprint::of(parts, headers, bytes),
+                Some(canonical) => of(Some(tag), &canonical),
+                None => of(None, bytes),
             },
-            Kind::Custom { tag, material } => {
-                Fingerprint::of_tagged(Some(tag), parts, headers, &material(parts, bytes))
-            }
+            Kind::Custom { tag, material } => of(Some(tag), &material(parts, bytes)),
         }
     }
 }
@@ -209,7 +211,13 @@ mod tests {
     }
 
     fn of(option: &BodyFingerprint, body: &str) -> Fingerprint {
-        option.of(&parts(), &[], Parsed::new(body.as_bytes()))
+        let parts = parts();
+        option.of(
+            &parts,
+            &RequestPath::of(&parts),
+            &[],
+            Parsed::new(body.as_bytes()),
+        )
     }
 
     #[test]

@@ -27,7 +27,10 @@ use super::{
     telemetry::{self, RequestOutcome},
     wait,
 };
-use crate::{fingerprint::SentHeaders, store::Claim, ClaimToken, Fingerprint, IdempotencyKey};
+use crate::{
+    fingerprint::SentHeaders, request_path::RequestPath, store::Claim, ClaimToken, Fingerprint,
+    IdempotencyKey,
+};
 
 /// Answers a keyed request: a replay, a rejection, or the inner service's response
 /// (recorded unless released).
@@ -93,11 +96,14 @@ where
                 }
             },
         };
-        let scope = scope::of_request(&config.endpoint, &parts, principal.as_ref(), key);
+        // Read once, for the scope and the fingerprint both.
+        let sent = RequestPath::of(&parts);
+        let scope = scope::of_request(&config.endpoint, &parts, &sent, principal.as_ref(), key);
         telemetry::show_scope(&scope, config);
         let fingerprint = config
             .fingerprint
-            .of(&parts, &config.fingerprint_headers, parsed);
+            .of(&parts, &sent, &config.fingerprint_headers, parsed);
+        drop(sent);
         let reject = |reason| {
             let rejection = Rejection::new(reason, scope.endpoint().to_owned());
             Ok(rejection.into_response(protocol(), renderer))

@@ -1,12 +1,12 @@
 //! Where a key means something: `(principal, endpoint, key)`, its storage key, and how a
 //! request's scope is built (the principal is `principal.rs`'s to name).
 
-use std::{borrow::Cow, ops::Range, sync::Arc};
+use std::{ops::Range, sync::Arc};
 
 use http::request::Parts;
 
 use super::principal::Principal;
-use crate::{request_path, IdempotencyKey};
+use crate::{request_path::RequestPath, IdempotencyKey};
 
 /// How a request names its endpoint, the middle part of a key's scope.
 #[derive(Clone, Debug)]
@@ -17,18 +17,19 @@ pub(crate) enum Endpoint {
     Fixed(Arc<str>),
 }
 
-/// The scope of a keyed request; the endpoint goes into the storage key in pieces, never
-/// assembled on its own.
+/// The scope of a keyed request, sent to `sent`'s path; the endpoint goes into the storage
+/// key in pieces, never assembled on its own.
 pub(crate) fn of_request(
     endpoint: &Endpoint,
     parts: &Parts,
+    sent: &RequestPath<'_>,
     principal: Option<&Principal>,
     key: IdempotencyKey,
 ) -> Scope {
-    let (method, space, path) = endpoint_pieces(endpoint, parts);
+    let (method, space, path) = endpoint_pieces(endpoint, parts, &sent.path);
     Scope::from_parts(
         principal.map(Principal::as_str),
-        &[method, space, &path],
+        &[method, space, path],
         key,
     )
 }
@@ -36,25 +37,27 @@ pub(crate) fn of_request(
 /// The endpoint a request is scoped to, whole: for the layer's answers to requests it
 /// refuses before their scope is built.
 pub(crate) fn endpoint_of(endpoint: &Endpoint, parts: &Parts) -> String {
-    let (method, space, path) = endpoint_pieces(endpoint, parts);
-    [method, space, &path].concat()
+    let sent = RequestPath::of(parts);
+    let (method, space, path) = endpoint_pieces(endpoint, parts, &sent.path);
+    [method, space, path].concat()
 }
 
 /// The endpoint part of a request's scope, in pieces: the layer's endpoint name, or
-/// `"<METHOD> <path>"` (the route template with `endpoint_from_matched_path`), the path as
-/// [`request_path`] reads it.
+/// `"<METHOD> <path>"` (the route template with `endpoint_from_matched_path`), `path` as
+/// [`RequestPath`] reads it.
 fn endpoint_pieces<'a>(
     endpoint: &'a Endpoint,
     parts: &'a Parts,
-) -> (&'a str, &'a str, Cow<'a, str>) {
+    path: &'a str,
+) -> (&'a str, &'a str, &'a str) {
     let path = match endpoint {
-        Endpoint::Fixed(name) => return (name, "", Cow::Borrowed("")),
+        Endpoint::Fixed(name) => return (name, "", ""),
         #[cfg(feature = "axum")]
-        Endpoint::MatchedPath => match parts.extensions.get::<axum::extract::MatchedPath>() {
-            Some(matched) => Cow::Borrowed(matched.as_str()),
-            None => request_path::path(parts),
-        },
-        Endpoint::MethodAndPath => request_path::path(parts),
+        Endpoint::MatchedPath => parts
+            .extensions
+            .get::<axum::extract::MatchedPath>()
+            .map_or(path, |matched| matched.as_str()),
+        Endpoint::MethodAndPath => path,
     };
     (parts.method.as_str(), " ", path)
 }
