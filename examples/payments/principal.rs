@@ -12,17 +12,19 @@ pub struct BearerUser;
 
 impl ExtractPrincipal for BearerUser {
     fn extract(&self, parts: &Parts) -> Option<Principal> {
-        let credential = parts.headers.get(header::AUTHORIZATION)?.as_bytes();
-        let bearer = std::str::from_utf8(credential)
+        let credential = parts.headers.get(header::AUTHORIZATION)?;
+        // The header's value has no surrounding whitespace (the parser drops it).
+        let bearer = credential
+            .to_str()
             .ok()
-            .and_then(|value| value.trim().split_once(' '))
+            .and_then(|value| value.split_once(' '))
             .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map(|(_, user)| user.trim())
+            .map(|(_, user)| user.trim_start_matches(' '))
             .filter(|user| !user.is_empty());
         match bearer {
             Some(user) => Some(Principal::new(user)),
-            None if credential.trim_ascii().is_empty() => None,
-            None => Some(Principal::from_credential(credential)),
+            None if credential.is_empty() => None,
+            None => Some(Principal::from_credential(credential.as_bytes())),
         }
     }
 }
