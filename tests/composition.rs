@@ -745,6 +745,15 @@ fn nested_accounts(
 
 const AMOUNT: &str = r#"{"amount":100}"#;
 
+/// Charges `account` under key `k1`, which must execute for it; its answer.
+async fn charged(app: &Router, account: &str) -> String {
+    let path = format!("/accounts/{account}/charges");
+    let (status, body) = charge(app, &path, "k1", AMOUNT).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body, format!("charged account {account}"));
+    body
+}
+
 /// A charge on account A, then the same key and body for account B: another request, so
 /// executed for B, never answered with A's record; A's retry is still A's replay.
 #[tokio::test]
@@ -752,16 +761,8 @@ async fn a_nested_route_is_scoped_and_fingerprinted_by_the_path_sent() {
     let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
     let layer = layer(&store).allow_anonymous();
     let (app, executions) = nested_accounts(|routes| routes.layer(layer));
-    let (status, a) = charge(&app, "/accounts/A/charges", "k1", AMOUNT).await;
-    assert_eq!(
-        (status, a.as_str()),
-        (StatusCode::CREATED, "charged account A")
-    );
-    let (status, b) = charge(&app, "/accounts/B/charges", "k1", AMOUNT).await;
-    assert_eq!(
-        (status, b.as_str()),
-        (StatusCode::CREATED, "charged account B")
-    );
+    let a = charged(&app, "A").await;
+    charged(&app, "B").await;
     let (status, again) = charge(&app, "/accounts/A/charges", "k1", AMOUNT).await;
     assert_eq!((status, again), (StatusCode::CREATED, a));
     assert_eq!(executions.load(Ordering::SeqCst), 2);
@@ -775,11 +776,7 @@ async fn a_nested_route_scoped_by_its_template_is_fingerprinted_by_the_path_sent
     let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
     let layer = layer(&store).allow_anonymous().endpoint_from_matched_path();
     let (app, executions) = nested_accounts(|routes| routes.route_layer(layer));
-    let (status, a) = charge(&app, "/accounts/A/charges", "k1", AMOUNT).await;
-    assert_eq!(
-        (status, a.as_str()),
-        (StatusCode::CREATED, "charged account A")
-    );
+    let a = charged(&app, "A").await;
     let (status, b) = charge(&app, "/accounts/B/charges", "k1", AMOUNT).await;
     assert_eq!(status, StatusCode::CONFLICT, "{b}");
     assert!(

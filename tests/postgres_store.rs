@@ -884,15 +884,10 @@ async fn a_purge_never_deletes_a_row_a_concurrent_claim_took() {
 #[ignore = "needs PostgreSQL: scripts/test.sh"]
 async fn pool_and_purge_settings_are_checked_when_configured() {
     let store = support::postgres_store().await;
-    let purge = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    let message = support::refusal("a zero purge interval", || {
         store.spawn_purge(Duration::ZERO)
-    }));
-    let refused = purge.expect_err("a zero purge interval taken");
-    let message = refused.downcast_ref::<&str>().copied();
-    assert!(
-        message.is_some_and(|m| m.contains("spawn_purge")),
-        "{message:?}"
-    );
+    });
+    assert!(message.contains("spawn_purge"), "{message}");
     let store = store.max_connections(usize::MAX);
     let scope = scope("huge-pool", Some("alice"));
     let claimed = store

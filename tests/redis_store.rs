@@ -1090,15 +1090,8 @@ async fn a_full_cache_keeps_its_newest_records_within_its_bound() {
 #[ignore = "needs Redis: scripts/test.sh"]
 async fn a_zero_timeout_is_refused_when_configured() {
     let store = support::redis_store("zero_timeout").await;
-    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        store.timeout(Duration::ZERO)
-    }));
-    let refused = refused.expect_err("a zero timeout taken");
-    let message = refused.downcast_ref::<&str>().copied();
-    assert!(
-        message.is_some_and(|m| m.contains("timeout")),
-        "{message:?}"
-    );
+    let message = support::refusal("a zero timeout", || store.timeout(Duration::ZERO));
+    assert!(message.contains("timeout"), "{message}");
 }
 
 /// A `WAIT` holds its connection, and every command queued behind it, for the replicas'
@@ -1110,15 +1103,7 @@ async fn a_zero_timeout_is_refused_when_configured() {
 #[ignore = "needs Redis: scripts/test.sh"]
 async fn a_replicas_wait_must_fit_in_the_store_timeout() {
     let plain = support::redis_store("replicas_wait").await;
-    let refusal = |configure: &dyn Fn() -> RedisStore| {
-        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(configure));
-        let refused = refused.expect_err("a wait the timeouts do not cover taken");
-        refused
-            .downcast_ref::<String>()
-            .cloned()
-            .unwrap_or_default()
-    };
-    let past_connections = refusal(&|| {
+    let past_connections = support::refusal("a wait past the connections' 2 s", || {
         let store = plain.clone().timeout(Duration::from_secs(5));
         store.replicas(1, Duration::from_millis(2200))
     });
@@ -1126,7 +1111,7 @@ async fn a_replicas_wait_must_fit_in_the_store_timeout() {
         past_connections.contains("response timeout"),
         "{past_connections}"
     );
-    let past_store = refusal(&|| {
+    let past_store = support::refusal("a timeout lowered to the wait", || {
         let store = plain.clone().replicas(1, Duration::from_millis(500));
         store.timeout(Duration::from_millis(500))
     });

@@ -129,16 +129,6 @@ impl<S: Store + ?Sized> CachedStore<S> {
         &self.inner
     }
 
-    /// How many copies the cache holds, expired ones not yet dropped included.
-    pub fn len(&self) -> usize {
-        self.shards.each().map(|shard| shard.records.len()).sum()
-    }
-
-    /// Whether the cache holds no copy.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn shard(&self, key: Hashed<'_>) -> MutexGuard<'_, Shard> {
         self.shards.lock(key)
     }
@@ -187,15 +177,26 @@ impl<S: Store + ?Sized> CachedStore<S> {
     }
 }
 
+impl<S: ?Sized> CachedStore<S> {
+    /// How many copies the cache holds, expired ones not yet dropped included.
+    pub fn len(&self) -> usize {
+        self.shards.each().map(|shard| shard.records.len()).sum()
+    }
+
+    /// Whether the cache holds no copy.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Settings and a count, never records: a record's scope names a principal and its key, and
 /// its body may be anyone's.
 impl<S: fmt::Debug + ?Sized> fmt::Debug for CachedStore<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let cached: usize = self.shards.each().map(|shard| shard.records.len()).sum();
         f.debug_struct("CachedStore")
             .field("inner", &self.inner)
             .field("max_records", &(self.max_per_shard * SHARDS))
-            .field("cached", &cached)
+            .field("cached", &self.len())
             .finish()
     }
 }

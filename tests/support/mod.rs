@@ -13,6 +13,18 @@ pub mod raw_http;
 pub mod redis_server;
 pub mod redis_topology;
 
+/// The message of the panic with which `configure` refuses a setting; a panic of this
+/// test's own when `configure` takes it.
+pub fn refusal<T>(what: &str, configure: impl FnOnce() -> T) -> String {
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(configure));
+    let Err(refused) = refused else {
+        panic!("{what} taken");
+    };
+    let text = refused.downcast_ref::<&str>().map(|text| text.to_string());
+    text.or_else(|| refused.downcast_ref::<String>().cloned())
+        .expect("a panic with a message")
+}
+
 /// Runs each listed `async fn case(store: Arc<dyn Store>)` on a `MemoryStore`, as
 /// `memory::case`, and on the shared Redis (own key prefix), as `redis::case`: for cases
 /// about the layer rather than the store. The cases on a server are ignored, with the
