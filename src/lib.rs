@@ -99,7 +99,7 @@ pub use server::{
     BodyFingerprint, DefaultPrincipal, DerivedKeys, ExtractPrincipal, HandOnBody, Idempotency,
     IdempotencyLayer, InFlight, Principal, ProblemDetails, Rejection, RejectionKind,
     RenderRejection, RequestBody, ResponseBody, ResponseFuture, ResponseHead, Scope, SpanField,
-    Unscoped, LONGEST_DURATION, PROBLEM_JSON, REPLAYED_HEADER,
+    Unscoped, LONGEST_DURATION, MAX_SCOPE_PART_LEN, PROBLEM_JSON, REPLAYED_HEADER,
 };
 /// The sqlx version the transactional mode's `SqlxTransaction` is built on.
 #[cfg(feature = "sqlx")]

@@ -58,6 +58,7 @@ for_each_store!(
     principal_extension_from_an_auth_layer,
     one_principal_one_scope_however_named,
     endpoints_scope_keys,
+    long_principals_and_paths_are_scoped_by_their_digest,
     matched_path_names_the_endpoint,
     oversized_response_is_streamed_and_never_executed_twice,
     the_longest_durations_are_kept,
@@ -985,6 +986,71 @@ async fn endpoints_scope_keys(store: Arc<dyn Store>) {
     );
 }
 
+/// `len` letters and digits no compression shrinks much, drawn from `seed`: what a long
+/// token or a long path can look like.
+fn incompressible(seed: u64, len: usize) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            char::from(ALPHABET[(state % ALPHABET.len() as u64) as usize])
+        })
+        .collect()
+}
+
+/// A principal or a path longer than `MAX_SCOPE_PART_LEN` is scoped by its digest, which
+/// every store can index (PostgreSQL's unique index refused such a scope outright: every
+/// request got 503, or ran unprotected under `fail_open`): executed once, replayed, kept
+/// apart from another as long, and from a principal named like its digest.
+async fn long_principals_and_paths_are_scoped_by_their_digest(store: Arc<dyn Store>) {
+    use sha2::{Digest, Sha256};
+
+    let handler = Handler::default();
+    let by_user = |parts: &Parts| {
+        let user = parts.headers.get("x-user")?;
+        Some(user.to_str().ok()?.to_owned())
+    };
+    let app = Router::new()
+        .route("/orders/{id}", routing::post(handle))
+        .route_layer(layer(&store).principal(by_user))
+        .with_state(handler.clone());
+    let (alice, order) = (incompressible(1, 3000), incompressible(2, 3000));
+    let charge = |user: &str, order: &str| {
+        post(&format!("/orders/{order}"))
+            .key("long")
+            .header("x-user", user)
+    };
+    let first = send(&app, charge(&alice, &order)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
+    let retry = send(&app, charge(&alice, &order)).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(handler.executions(), 1);
+
+    // One letter apart, in the principal or in the path: another operation.
+    let mut bob = alice.clone();
+    bob.replace_range(2999.., if alice.ends_with('A') { "B" } else { "A" });
+    assert!(!send(&app, charge(&bob, &order)).await.replayed());
+    let mut other = order.clone();
+    other.replace_range(2999.., if order.ends_with('A') { "B" } else { "A" });
+    assert!(!send(&app, charge(&alice, &other)).await.replayed());
+    assert_eq!(handler.executions(), 3);
+
+    // A principal named as Alice's is kept: never her scope.
+    let digest: String = Sha256::digest(alice.as_bytes())
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect();
+    let named_like_hers = format!("sha256:{digest}");
+    assert!(!send(&app, charge(&named_like_hers, &order))
+        .await
+        .replayed());
+    assert_eq!(handler.executions(), 4);
+}
+
 async fn matched_path_names_the_endpoint(store: Arc<dyn Store>) {
     let handler = Handler::default();
     let app = Router::new()
@@ -1485,6 +1551,12 @@ async fn durations_past_what_a_store_keeps_are_refused_when_configured() {
         (
             support::refusal("methods([])", || fresh().methods([])),
             "methods",
+        ),
+        (
+            support::refusal("a long endpoint_name", || {
+                fresh().endpoint_name("e".repeat(tower_idempotency::MAX_SCOPE_PART_LEN + 1))
+            }),
+            "endpoint_name",
         ),
     ] {
         assert!(message.contains(name), "{message}");

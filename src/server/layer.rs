@@ -576,8 +576,18 @@ impl IdempotencyLayer {
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).endpoint_name("create-order");
     /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `name` is longer than [`MAX_SCOPE_PART_LEN`](crate::MAX_SCOPE_PART_LEN) bytes.
     pub fn endpoint_name(mut self, name: impl Into<String>) -> Self {
-        self.config.endpoint = Endpoint::Fixed(name.into().into());
+        let name = name.into();
+        assert!(
+            name.len() <= crate::MAX_SCOPE_PART_LEN,
+            "an idempotency endpoint_name must be at most MAX_SCOPE_PART_LEN (1024) bytes, not {}",
+            name.len()
+        );
+        self.config.endpoint = Endpoint::Fixed(name.into());
         self
     }
 

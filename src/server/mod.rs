@@ -65,7 +65,7 @@ pub use rejection::{
 pub use release::ResponseHead;
 pub use replay::REPLAYED_HEADER;
 pub use request_body::{HandOnBody, RequestBody};
-pub use scope::Scope;
+pub use scope::{Scope, MAX_SCOPE_PART_LEN};
 pub use service::Idempotency;
 #[cfg(feature = "client")]
 pub(crate) use telemetry::short_digest;

@@ -19,6 +19,8 @@ use hmac::{Hmac, Mac};
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
+use super::scope::{digest_form, DIGEST_PREFIX, MAX_SCOPE_PART_LEN};
+
 /// Names the principal (user, account, API credential) a request acts for, so that two
 /// principals never share idempotency records.
 ///
@@ -59,7 +61,10 @@ where
 /// the name itself: switching from one to the other between deploys keeps every record.
 /// A digest of a credential ([`Principal::from_credential`]) is stored as `auth:` and 32
 /// hex digits, and a name is never stored in that form: a name that begins with `auth:`
-/// or `\` is stored with one more `\` in front.
+/// or `\` is stored with one more `\` in front. A name longer than
+/// [`MAX_SCOPE_PART_LEN`](crate::MAX_SCOPE_PART_LEN) bytes is stored as `sha256:` and the
+/// 64 hex digits of its SHA-256 (so every store can index it), and a name that begins with
+/// `sha256:` is stored with a `\` in front too.
 ///
 /// # Example
 ///
@@ -72,6 +77,8 @@ where
 ///
 /// assert_eq!(Principal::new("user_42").as_str(), "user_42");
 /// assert_eq!(Principal::new("auth:x").as_str(), "\\auth:x");
+/// assert!(Principal::new("x".repeat(2000)).as_str().starts_with("sha256:"));
+/// assert_eq!(Principal::new("sha256:x").as_str(), "\\sha256:x");
 /// assert!(Principal::from_credential(b"Bearer sk_live_1").as_str().starts_with("auth:"));
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -81,7 +88,12 @@ impl Principal {
     /// A principal named by an authentication layer or an extractor.
     pub fn new(name: impl Into<String>) -> Self {
         let name = name.into();
-        if name.starts_with(CREDENTIAL) || name.starts_with('\\') {
+        if name.len() > MAX_SCOPE_PART_LEN {
+            Self(digest_form(&name))
+        } else if name.starts_with(CREDENTIAL)
+            || name.starts_with(DIGEST_PREFIX)
+            || name.starts_with('\\')
+        {
             Self(format!("\\{name}"))
         } else {
             Self(name)

@@ -1,12 +1,35 @@
 //! Where a key means something: `(principal, endpoint, key)`, its storage key, and how a
 //! request's scope is built (the principal is `principal.rs`'s to name).
 
-use std::{ops::Range, sync::Arc};
+use std::{borrow::Cow, ops::Range, sync::Arc};
 
 use http::request::Parts;
+use sha2::{Digest, Sha256};
 
 use super::principal::Principal;
 use crate::{request_path::RequestPath, IdempotencyKey};
+
+/// The longest principal, and the longest path of an endpoint, that a scope keeps as
+/// written: a longer one is kept as `sha256:` and the 64 hex digits of its SHA-256. Every
+/// store's scope stays bounded (with a key's 255 bytes, well within the 2 704 bytes of a
+/// PostgreSQL index entry), and two long ones stay apart.
+pub const MAX_SCOPE_PART_LEN: usize = 1024;
+
+/// What a scope part kept as a digest begins with. No path begins so, and a principal
+/// named so is kept with a `\` in front (see [`Principal`]).
+pub(crate) const DIGEST_PREFIX: &str = "sha256:";
+
+/// `text` as a scope keeps a part longer than [`MAX_SCOPE_PART_LEN`].
+pub(crate) fn digest_form(text: &str) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut kept = String::with_capacity(DIGEST_PREFIX.len() + 64);
+    kept.push_str(DIGEST_PREFIX);
+    for byte in Sha256::digest(text.as_bytes()) {
+        kept.push(char::from(HEX[usize::from(byte >> 4)]));
+        kept.push(char::from(HEX[usize::from(byte & 0xf)]));
+    }
+    kept
+}
 
 /// How a request names its endpoint, the middle part of a key's scope.
 #[derive(Clone, Debug)]
@@ -29,7 +52,7 @@ pub(crate) fn of_request(
     let (method, space, path) = endpoint_pieces(endpoint, parts, &sent.path);
     Scope::from_parts(
         principal.map(Principal::as_str),
-        &[method, space, path],
+        &[method, space, &kept(path)],
         key,
     )
 }
@@ -39,7 +62,17 @@ pub(crate) fn of_request(
 pub(crate) fn endpoint_of(endpoint: &Endpoint, parts: &Parts) -> String {
     let sent = RequestPath::of(parts);
     let (method, space, path) = endpoint_pieces(endpoint, parts, &sent.path);
-    [method, space, path].concat()
+    [method, space, &kept(path)].concat()
+}
+
+/// A path as its scope keeps it: as written, or as its digest when longer than
+/// [`MAX_SCOPE_PART_LEN`].
+fn kept(path: &str) -> Cow<'_, str> {
+    if path.len() > MAX_SCOPE_PART_LEN {
+        Cow::Owned(digest_form(path))
+    } else {
+        Cow::Borrowed(path)
+    }
 }
 
 /// The endpoint part of a request's scope, in pieces: the layer's endpoint name, or
@@ -75,8 +108,12 @@ pub struct Scope {
 }
 
 impl Scope {
-    /// A scope from its three parts; `None` (or an empty name, which a store with a text
-    /// column cannot tell from it) is the anonymous principal.
+    /// A scope from its three parts, as stored; `None` (or an empty name, which a store
+    /// with a text column cannot tell from it) is the anonymous principal.
+    ///
+    /// The layer keeps a principal or a path longer than [`MAX_SCOPE_PART_LEN`] as its
+    /// digest; a scope made here with longer parts may be refused by a store (PostgreSQL
+    /// indexes at most 2 704 bytes of one).
     pub fn new(principal: Option<String>, endpoint: String, key: IdempotencyKey) -> Self {
         Self::from_parts(principal.as_deref(), &[&endpoint], key)
     }
@@ -164,6 +201,28 @@ mod tests {
     fn scope(principal: Option<&str>, endpoint: &str, key: &str) -> Scope {
         let key = IdempotencyKey::parse(&HeaderValue::from_str(key).unwrap()).unwrap();
         Scope::new(principal.map(str::to_owned), endpoint.to_owned(), key)
+    }
+
+    #[test]
+    fn a_path_past_the_longest_is_kept_as_its_digest_in_scopes_and_answers() {
+        let scope_of = |path: &str| {
+            let request = http::Request::post(path).body(()).unwrap();
+            let (parts, ()) = request.into_parts();
+            let key = IdempotencyKey::parse(&HeaderValue::from_static("k")).unwrap();
+            let sent = RequestPath::of(&parts);
+            let scope = of_request(&Endpoint::MethodAndPath, &parts, &sent, None, key);
+            assert_eq!(
+                endpoint_of(&Endpoint::MethodAndPath, &parts),
+                scope.endpoint()
+            );
+            scope
+        };
+        let longest = format!("/{}", "a".repeat(MAX_SCOPE_PART_LEN - 1));
+        assert_eq!(scope_of(&longest).endpoint(), format!("POST {longest}"));
+        let past = format!("{longest}b");
+        let digest = digest_form(&past);
+        assert_eq!(scope_of(&past).endpoint(), format!("POST {digest}"));
+        assert_eq!(digest.len(), "sha256:".len() + 64);
     }
 
     #[test]
