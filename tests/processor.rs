@@ -64,3 +64,29 @@ async fn a_processor_that_does_not_charge_is_a_502_that_releases_the_payment() {
     assert!(!retry.replayed());
     assert_eq!(gateway.api().stats().await.payments_executed, 2);
 }
+
+/// A processor's URL may carry its credentials (`user:password@`): the gateway uses them,
+/// and never logs them, neither its settings when it starts nor a charge that failed.
+#[tokio::test]
+async fn the_gateway_never_logs_the_processors_credentials() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "http://gateway:hunter2-secret@{}",
+        closed.local_addr().unwrap()
+    );
+    drop(closed);
+    let gateway = ExampleProcess::start(&[("PAYMENTS_PROCESSOR_URL", &url)]).await;
+    let charge = json!({ "amount": 500, "currency": "usd" });
+    let failed = gateway.api().pay(&fresh_key(), "bob", &charge).await;
+    assert_eq!(failed.status, StatusCode::BAD_GATEWAY, "{failed:?}");
+    let log = gateway.log_text();
+    assert!(
+        log.contains("processor: Some(\"http://***@127.0.0.1:"),
+        "the settings were logged, the processor's host shown: {log}"
+    );
+    assert!(
+        log.contains("the processor did not charge"),
+        "the failure was logged: {log}"
+    );
+    assert!(!log.contains("hunter2"), "{log}");
+}

@@ -33,6 +33,8 @@ mod processor;
 use principal::BearerUser;
 #[cfg(feature = "client")]
 use processor::Processor;
+#[cfg(feature = "client")]
+pub use processor::ProcessorUrl;
 #[cfg(feature = "postgres")]
 #[path = "ledger.rs"]
 pub mod ledger;
@@ -118,7 +120,7 @@ pub struct Settings {
     pub fingerprint: BodyFingerprint,
     /// The base URL of a processor each payment also charges; `None`: no processor.
     #[cfg(feature = "client")]
-    pub processor: Option<String>,
+    pub processor: Option<ProcessorUrl>,
     /// The ledger each payment is written to; `None`: no ledger.
     #[cfg(feature = "postgres")]
     pub ledger: Option<Ledger>,
@@ -180,7 +182,10 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
         #[cfg(feature = "postgres")]
         ledger: settings.ledger.clone(),
         #[cfg(feature = "client")]
-        processor: settings.processor.as_deref().map(Processor::new),
+        processor: settings
+            .processor
+            .as_ref()
+            .map(|url| Processor::new(&url.0)),
     }));
     let app = Router::new()
         .route(

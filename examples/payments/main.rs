@@ -130,13 +130,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(url) = std::env::var("PAYMENTS_PROCESSOR_URL") {
         #[cfg(feature = "client")]
         {
-            settings.processor = Some(url);
+            settings.processor = Some(app::ProcessorUrl(url));
         }
         #[cfg(not(feature = "client"))]
-        return Err(format!(
-            "PAYMENTS_PROCESSOR_URL={url} is set, but this build has no `client` feature"
-        )
-        .into());
+        {
+            let _ = url;
+            return Err(
+                "PAYMENTS_PROCESSOR_URL is set, but this build has no `client` feature".into(),
+            );
+        }
     }
     let store = store::from_env().await?;
     tracing::info!(?store, ?settings, "payments store");

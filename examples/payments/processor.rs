@@ -19,11 +19,42 @@ use tower_idempotency::{
 /// The label of the processor's key among the payment's derived keys.
 const KEY_LABEL: &str = "processor";
 
+/// A processor's base URL, which may carry its credentials (`user:password@`): shown
+/// without them, so that settings holding it can be logged.
+#[derive(Clone)]
+pub struct ProcessorUrl(pub String);
+
+impl std::fmt::Debug for ProcessorUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let url = &self.0;
+        let authority = url.find("://").map_or(0, |scheme| scheme + 3);
+        let end = url[authority..]
+            .find(['/', '?', '#'])
+            .map_or(url.len(), |end| authority + end);
+        match url[authority..end].rfind('@') {
+            Some(at) => {
+                let host = &url[authority + at + 1..];
+                write!(f, "\"{}***@{host}\"", &url[..authority])
+            }
+            None => write!(f, "{url:?}"),
+        }
+    }
+}
+
 /// A processor at a base URL, and the client that charges it.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Processor {
     charges: String,
     client: IdempotentClient<Client<HttpConnector, Full<Bytes>>>,
+}
+
+impl std::fmt::Debug for Processor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let charges = ProcessorUrl(self.charges.clone());
+        f.debug_struct("Processor")
+            .field("charges", &charges)
+            .finish()
+    }
 }
 
 impl Processor {

@@ -438,6 +438,12 @@ impl ExampleProcess {
         process
     }
 
+    /// What it has logged so far.
+    #[allow(dead_code)] // Not every test reads the log.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).expect("the example's log")
+    }
+
     /// A client for it.
     pub fn api(&self) -> &Api {
         &self.api
