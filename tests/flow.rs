@@ -1006,7 +1006,8 @@ fn incompressible(seed: u64, len: usize) -> String {
 /// A principal or a path longer than `MAX_SCOPE_PART_LEN` is scoped by its digest, which
 /// every store can index (PostgreSQL's unique index refused such a scope outright: every
 /// request got 503, or ran unprotected under `fail_open`): executed once, replayed, kept
-/// apart from another as long, and from a principal named like its digest.
+/// apart from another as long, and from a principal named like its digest; so is one with a
+/// NUL byte.
 async fn long_principals_and_paths_are_scoped_by_their_digest(store: Arc<dyn Store>) {
     use sha2::{Digest, Sha256};
 
@@ -1051,6 +1052,19 @@ async fn long_principals_and_paths_are_scoped_by_their_digest(store: Arc<dyn Sto
         .await
         .replayed());
     assert_eq!(handler.executions(), 4);
+
+    // A name with a NUL byte (a token's claim, decoded), which PostgreSQL's text refuses,
+    // is kept as its digest too.
+    let with_nul = Router::new()
+        .route("/orders/{id}", routing::post(handle))
+        .route_layer(layer(&store).principal(|_: &Parts| Some("carol\0".to_owned())))
+        .with_state(handler.clone());
+    let first = send(&with_nul, post("/orders/1").key("nul")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
+    assert!(send(&with_nul, post("/orders/1").key("nul"))
+        .await
+        .replayed());
+    assert_eq!(handler.executions(), 5);
 }
 
 async fn matched_path_names_the_endpoint(store: Arc<dyn Store>) {
@@ -1557,6 +1571,12 @@ async fn durations_past_what_a_store_keeps_are_refused_when_configured() {
         (
             support::refusal("a long endpoint_name", || {
                 fresh().endpoint_name("e".repeat(tower_idempotency::MAX_SCOPE_PART_LEN + 1))
+            }),
+            "endpoint_name",
+        ),
+        (
+            support::refusal("an endpoint_name with a NUL", || {
+                fresh().endpoint_name("create\0order")
             }),
             "endpoint_name",
         ),

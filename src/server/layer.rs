@@ -579,13 +579,18 @@ impl IdempotencyLayer {
     ///
     /// # Panics
     ///
-    /// If `name` is longer than [`MAX_SCOPE_PART_LEN`](crate::MAX_SCOPE_PART_LEN) bytes.
+    /// If `name` is longer than [`MAX_SCOPE_PART_LEN`](crate::MAX_SCOPE_PART_LEN) bytes, or
+    /// holds a NUL byte.
     pub fn endpoint_name(mut self, name: impl Into<String>) -> Self {
         let name = name.into();
         assert!(
             name.len() <= crate::MAX_SCOPE_PART_LEN,
             "an idempotency endpoint_name must be at most MAX_SCOPE_PART_LEN (1024) bytes, not {}",
             name.len()
+        );
+        assert!(
+            !name.contains('\0'),
+            "an idempotency endpoint_name must hold no NUL byte (PostgreSQL's text refuses one)"
         );
         self.config.endpoint = Endpoint::Fixed(name.into());
         self

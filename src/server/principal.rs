@@ -63,8 +63,9 @@ where
 /// hex digits, and a name is never stored in that form: a name that begins with `auth:`
 /// or `\` is stored with one more `\` in front. A name longer than
 /// [`MAX_SCOPE_PART_LEN`](crate::MAX_SCOPE_PART_LEN) bytes is stored as `sha256:` and the
-/// 64 hex digits of its SHA-256 (so every store can index it), and a name that begins with
-/// `sha256:` is stored with a `\` in front too.
+/// 64 hex digits of its SHA-256 (so every store can index it), as is a name holding a NUL
+/// byte (which PostgreSQL's text refuses), and a name that begins with `sha256:` is stored
+/// with a `\` in front too.
 ///
 /// # Example
 ///
@@ -88,7 +89,8 @@ impl Principal {
     /// A principal named by an authentication layer or an extractor.
     pub fn new(name: impl Into<String>) -> Self {
         let name = name.into();
-        if name.len() > MAX_SCOPE_PART_LEN {
+        // PostgreSQL's text refuses a NUL byte: such a name is kept as its digest too.
+        if name.len() > MAX_SCOPE_PART_LEN || name.contains('\0') {
             Self(digest_form(&name))
         } else if name.starts_with(CREDENTIAL)
             || name.starts_with(DIGEST_PREFIX)

@@ -10,7 +10,8 @@ use super::principal::Principal;
 use crate::{request_path::RequestPath, IdempotencyKey};
 
 /// The longest principal, and the longest path of an endpoint, that a scope keeps as
-/// written: a longer one is kept as `sha256:` and the 64 hex digits of its SHA-256. Every
+/// written (a principal escaped with a `\` keeps one byte more): a longer one is kept as
+/// `sha256:` and the 64 hex digits of its SHA-256. Every
 /// store's scope stays bounded (with a key's 255 bytes, well within the 2 704 bytes of a
 /// PostgreSQL index entry), and two long ones stay apart.
 pub const MAX_SCOPE_PART_LEN: usize = 1024;

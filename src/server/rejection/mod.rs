@@ -226,8 +226,9 @@ impl Rejection {
         }
     }
 
-    /// The endpoint of the request's scope: `"POST /v1/payments"`, or the layer's
-    /// endpoint name.
+    /// The endpoint of the request's scope: `"POST /v1/payments"` (`"POST sha256:…"` for a
+    /// path past [`MAX_SCOPE_PART_LEN`](crate::MAX_SCOPE_PART_LEN)), or the layer's endpoint
+    /// name.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
     }
