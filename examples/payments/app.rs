@@ -182,10 +182,7 @@ pub fn router(store: Arc<dyn Store>, settings: Settings) -> (Router, Arc<Stats>)
         #[cfg(feature = "postgres")]
         ledger: settings.ledger.clone(),
         #[cfg(feature = "client")]
-        processor: settings
-            .processor
-            .as_ref()
-            .map(|url| Processor::new(&url.0)),
+        processor: settings.processor.as_ref().map(Processor::new),
     }));
     let app = Router::new()
         .route(

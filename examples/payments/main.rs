@@ -130,7 +130,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(url) = std::env::var("PAYMENTS_PROCESSOR_URL") {
         #[cfg(feature = "client")]
         {
-            settings.processor = Some(app::ProcessorUrl(url));
+            settings.processor = Some(app::ProcessorUrl::new(url)?);
         }
         #[cfg(not(feature = "client"))]
         {

@@ -19,47 +19,39 @@ use tower_idempotency::{
 /// The label of the processor's key among the payment's derived keys.
 const KEY_LABEL: &str = "processor";
 
-/// A processor's base URL, which may carry its credentials (`user:password@`): shown
-/// without them, so that settings holding it can be logged.
-#[derive(Clone)]
-pub struct ProcessorUrl(pub String);
+/// A processor's base URL: `http://host[:port][/path]`. The example sends no credentials
+/// of its own to the processor, so a URL carrying some (`user:password@`) is refused, and
+/// one refused is never echoed: what is kept can be logged.
+#[derive(Clone, Debug)]
+pub struct ProcessorUrl(String);
 
-impl std::fmt::Debug for ProcessorUrl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let url = &self.0;
-        let authority = url.find("://").map_or(0, |scheme| scheme + 3);
-        let end = url[authority..]
-            .find(['/', '?', '#'])
-            .map_or(url.len(), |end| authority + end);
-        match url[authority..end].rfind('@') {
-            Some(at) => {
-                let host = &url[authority + at + 1..];
-                write!(f, "\"{}***@{host}\"", &url[..authority])
-            }
-            None => write!(f, "{url:?}"),
+impl ProcessorUrl {
+    /// `url`, if it is an absolute `http` URL with no credentials.
+    pub fn new(url: String) -> Result<Self, &'static str> {
+        if url.contains('@') {
+            return Err("PAYMENTS_PROCESSOR_URL carries credentials (`user:password@`), which the example would not send: give the processor's URL without them");
         }
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|_| "PAYMENTS_PROCESSOR_URL is not a URL")?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+            return Err("PAYMENTS_PROCESSOR_URL must be an absolute http URL: http://host[:port]");
+        }
+        Ok(Self(url))
     }
 }
 
 /// A processor at a base URL, and the client that charges it.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Processor {
     charges: String,
     client: IdempotentClient<Client<HttpConnector, Full<Bytes>>>,
 }
 
-impl std::fmt::Debug for Processor {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let charges = ProcessorUrl(self.charges.clone());
-        f.debug_struct("Processor")
-            .field("charges", &charges)
-            .finish()
-    }
-}
-
 impl Processor {
     /// A processor whose charges are `POST <base>/v1/payments`.
-    pub fn new(base: &str) -> Self {
+    pub fn new(base: &ProcessorUrl) -> Self {
+        let base = &base.0;
         let http = Client::builder(TokioExecutor::new()).build_http();
         Self {
             charges: format!("{}/v1/payments", base.trim_end_matches('/')),
