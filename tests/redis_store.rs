@@ -1141,39 +1141,3 @@ async fn a_replicas_wait_must_fit_in_the_store_timeout() {
     assert!(matches!(fresh, Ok(Claim::Claimed(_))), "{fresh:?}");
     assert!(matches!(replay, Ok(Claim::Completed { .. })), "{replay:?}");
 }
-
-/// A record the store refuses however often it is sent (here one past Redis's
-/// `proto-max-bulk-len`, as a response near 512 MiB would be by default): the client gets
-/// its response, and the retries a refusal to replay it. Each retry after the lease ran
-/// out executed the payment again.
-#[tokio::test]
-#[ignore = "needs redis-server: scripts/test.sh"]
-async fn a_record_the_store_refuses_for_good_neither_hangs_nor_executes_again() {
-    use support::app::{self as app, post, router, send};
-
-    let server = RedisServer::start();
-    server.cli(&["CONFIG", "SET", "proto-max-bulk-len", "1mb"]);
-    let store: Arc<dyn Store> = Arc::new(RedisStore::open(&server.url()).await.unwrap());
-    let handler = app::Handler::default();
-    let layer = app::layer(&store)
-        .max_response_body(4 << 20)
-        .lease(Duration::from_millis(600));
-    let app = router(&handler, layer);
-    let big = || post("/pay").key("refused").header("x-body-len", "2000000");
-    let first = timeout(Duration::from_secs(10), send(&app, big()))
-        .await
-        .expect("answered, not retried for as long as the lease is renewed");
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(first.body.len(), 2_000_000);
-    sleep(Duration::from_millis(1200)).await;
-    // Not replayed, never executed again: a refusal to replay it, to every retry.
-    for _ in 0..3 {
-        let retry = send(&app, big()).await;
-        assert_eq!(retry.status, StatusCode::CONFLICT);
-        assert_eq!(
-            retry.json(),
-            serde_json::json!({"error": "response_not_replayable", "status": 201})
-        );
-    }
-    assert_eq!(handler.executions(), 1);
-}

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::{
     body::ResponseBody,
     grpc::Protocol,
-    lease::{Completed, Lease},
+    lease::Lease,
     rejection::{Reason, Rejection},
     telemetry::RequestOutcome,
 };
@@ -60,9 +60,7 @@ where
     } = captured;
     let ended = Instant::now();
     lease.shared().state.meters.executed_for(ended - started);
-    // With the fingerprint a refusal to replay would be recorded under, where the
-    // response itself is recorded.
-    let (stored, fingerprint, refusable, answer) = match buffered {
+    let (stored, fingerprint, outcome, answer) = match buffered {
         Buffered::Whole { body, trailers } => {
             let releases = config.release.releases_whole(
                 protocol,
@@ -75,7 +73,6 @@ where
                 let body = ResponseBody::with_boxed_trailers(body, trailers);
                 return Response::from_parts(parts, body);
             }
-            let plain = fingerprint;
             let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
             // The record borrows the response's body, trailers and, when a replay keeps
             // every one, headers, and hands them back once written: copying them
@@ -94,7 +91,7 @@ where
                 trailers,
             };
             let answer = Answer::Recorded { headers_lent };
-            (stored, fingerprint, Some(plain), answer)
+            (stored, fingerprint, RequestOutcome::Executed, answer)
         }
         Buffered::TooLarge { prefix, rest } => {
             lease.warn(
@@ -108,7 +105,7 @@ where
             let stored = Rejection::new(reason, endpoint).into_stored(protocol, renderer);
             // Not the response but a refusal to replay it, to every retry alike.
             let answer = Answer::Streamed(ResponseBody::spliced(prefix, rest));
-            (stored, fingerprint, None, answer)
+            (stored, fingerprint, RequestOutcome::NotReplayable, answer)
         }
         Buffered::Failed(error) => {
             tracing::error!(%error, "the response body failed");
@@ -118,31 +115,14 @@ where
             return response;
         }
     };
-    let mut outcome = match refusable {
-        Some(_) => RequestOutcome::Executed,
-        None => RequestOutcome::NotReplayable,
-    };
-    let completed = lease.complete(fingerprint, &stored, ended).await;
-    if completed != Completed::Recorded && lease.shared().store.commits_handler_writes() {
+    let recorded = lease.complete(fingerprint, &stored, ended).await;
+    if !recorded && lease.shared().store.commits_handler_writes() {
         // The handler's writes were rolled back with the record: its response would tell
         // of what did not happen. The retry executes again.
         lease.shared().answered(RequestOutcome::StoreUnavailable);
         let endpoint = lease.scope().endpoint().to_owned();
         let rejection = Rejection::new(Reason::StoreUnavailable, endpoint);
         return rejection.into_response(protocol, config.render_rejections.as_deref());
-    }
-    if let (Completed::Failed, Some(plain)) = (completed, refusable) {
-        // The store answers, yet refuses this record (one past its size limit, say): a
-        // refusal to replay it keeps the retries from executing again.
-        let reason = Reason::NotReplayable {
-            status: stored.status,
-        };
-        let endpoint = lease.scope().endpoint().to_owned();
-        let refusal = Rejection::new(reason, endpoint)
-            .into_stored(protocol, config.render_rejections.as_deref());
-        if lease.refuse_replays(plain, &refusal).await {
-            outcome = RequestOutcome::NotReplayable;
-        }
     }
     lease.shared().answered(outcome);
     let body = match answer {

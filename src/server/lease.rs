@@ -24,20 +24,10 @@ use crate::{
 };
 
 /// The first pause before writing an outcome again after the store failed the write, and
-/// the longest: doubled each time in between. The writes go on until one is answered, the
-/// claim's lease runs out, or the write's budget (a share of the lease) is spent.
+/// the longest: doubled each time in between. The writes go on until one is answered or the
+/// claim's lease runs out.
 const WRITE_RETRY_FIRST: Duration = Duration::from_millis(25);
 const WRITE_RETRY_MAX: Duration = Duration::from_secs(1);
-
-/// What came of writing a response's record.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Completed {
-    Recorded,
-    /// The store failed every attempt: the key is still this request's, as far as it knows.
-    Failed,
-    /// The claim was lost, or the handler's writes were rolled back with the record.
-    NotRecorded,
-}
 
 /// Claims `scope` with `token`, sent at `sent` (timed from then), or reads what holds it;
 /// with when the answer came, which starts an execution without reading the clock again.
@@ -160,9 +150,8 @@ impl Lease {
     /// Runs a write after the handler until the store answers it: a blip (a restart, a
     /// failover, a dropped connection) must not cost the record, or the next retry would
     /// run the operation again. Retried with backoff while the store fails, for as long as
-    /// the claim's lease lasts (counted from the last renewal the store applied) and at
-    /// most `budget` past the first failure, and the lease is renewed meanwhile whenever
-    /// the store answers. Writes are fenced and
+    /// the claim's lease lasts (counted from the last renewal the store applied), and the
+    /// lease is renewed meanwhile whenever the store answers. Writes are fenced and
     /// idempotent, so repeating one that did apply is harmless; past the lease, the key
     /// may be another request's, and the fence would refuse the write anyway. The first
     /// attempt is timed from `started`, a reading its caller took anyway.
@@ -171,7 +160,6 @@ impl Lease {
         operation: Operation,
         write: impl Fn() -> F,
         started: Instant,
-        budget: Duration,
     ) -> store::Result<Fenced>
     where
         F: Future<Output = store::Result<Fenced>> + 'a,
@@ -187,12 +175,9 @@ impl Lease {
         let retries = async {
             let mut error = first;
             let mut backoff = WRITE_RETRY_FIRST;
-            // Renewed meanwhile, the lease alone would never end while the store refuses
-            // only this write.
-            let spent = Instant::now() + budget;
             loop {
                 let next = Instant::now() + backoff;
-                if next >= self.lease_ends().min(spent) {
+                if next >= self.lease_ends() {
                     return Err(error);
                 }
                 tracing::warn!(
@@ -237,25 +222,29 @@ impl Lease {
 
     async fn give_back(&self) -> store::Result<Fenced> {
         let release = || self.shared.store.release(&self.scope, self.token);
-        let budget = self.shared.config.lease;
-        self.write_until_settled(Operation::Release, release, Instant::now(), budget)
+        self.write_until_settled(Operation::Release, release, Instant::now())
             .await
     }
 
     /// Records `response` as the key's outcome, replayed to every retry until the
     /// layer's ttl runs out, timed from `now`: whether the store applied it.
-    ///
-    /// Tried for half a lease at most, so that when the store refuses this record however
-    /// often it is sent (one past its size limit) while it answers everything else, the
-    /// other half is left for [`refuse_replays`](Self::refuse_replays).
     pub(crate) async fn complete(
         &self,
         fingerprint: Fingerprint,
         response: &StoredResponse,
         now: Instant,
-    ) -> Completed {
-        match self.write_record(fingerprint, response, now).await {
-            Ok(Fenced::Applied) => return Completed::Recorded,
+    ) -> bool {
+        let ttl = self.shared.config.ttl;
+        let complete = || {
+            self.shared
+                .store
+                .complete(&self.scope, self.token, fingerprint, response, ttl)
+        };
+        match self
+            .write_until_settled(Operation::Complete, complete, now)
+            .await
+        {
+            Ok(Fenced::Applied) => return true,
             Ok(Fenced::Lost) => {
                 self.warn("claim lost before the response was recorded: it will not be replayed")
             }
@@ -263,49 +252,6 @@ impl Lease {
                 %error,
                 "could not commit the response's record, nor the handler's writes with it: answering 503, and a retry executes again"
             ),
-            Err(error) => {
-                tracing::error!(%error, "could not record the response");
-                return Completed::Failed;
-            }
-        }
-        Completed::NotRecorded
-    }
-
-    /// Writes `response` as the key's record, for half a lease at most (see
-    /// [`complete`](Self::complete)).
-    async fn write_record(
-        &self,
-        fingerprint: Fingerprint,
-        response: &StoredResponse,
-        started: Instant,
-    ) -> store::Result<Fenced> {
-        let ttl = self.shared.config.ttl;
-        let complete = || {
-            self.shared
-                .store
-                .complete(&self.scope, self.token, fingerprint, response, ttl)
-        };
-        let budget = self.shared.config.lease / 2;
-        self.write_until_settled(Operation::Complete, complete, started, budget)
-            .await
-    }
-
-    /// Records `refusal` (a `409 response_not_replayable`) where the response itself could
-    /// not be recorded, so that no retry executes again: whether the store applied it.
-    #[cold]
-    pub(crate) async fn refuse_replays(
-        &self,
-        fingerprint: Fingerprint,
-        refusal: &StoredResponse,
-    ) -> bool {
-        match Box::pin(self.write_record(fingerprint, refusal, Instant::now())).await {
-            Ok(Fenced::Applied) => {
-                self.warn("recorded that the response cannot be replayed: retries get 409 response_not_replayable");
-                return true;
-            }
-            Ok(Fenced::Lost) => {
-                self.warn("claim lost before the response was recorded: it will not be replayed")
-            }
             Err(error) => tracing::error!(
                 %error,
                 "could not record the response within the lease: a retry after the lease runs out executes again"
