@@ -19,7 +19,7 @@ use hmac::{Hmac, Mac};
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
-use super::scope::{digest_form, DIGEST_PREFIX, MAX_SCOPE_PART_LEN};
+use super::scope::{digest_form, push_hex, DIGEST_PREFIX, MAX_SCOPE_PART_LEN};
 
 /// Names the principal (user, account, API credential) a request acts for, so that two
 /// principals never share idempotency records.
@@ -132,10 +132,7 @@ impl Principal {
     fn credential_digest(digest: &[u8]) -> Self {
         let mut stored = String::with_capacity(CREDENTIAL.len() + 32);
         stored.push_str(CREDENTIAL);
-        for byte in &digest[..16] {
-            stored.push(char::from(HEX[usize::from(byte >> 4)]));
-            stored.push(char::from(HEX[usize::from(byte & 0xf)]));
-        }
+        push_hex(&mut stored, &digest[..16]);
         Self(stored)
     }
 
@@ -258,8 +255,6 @@ impl fmt::Debug for DefaultPrincipal {
             .finish()
     }
 }
-
-const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// Requests are anonymous, keys shared by all callers, unless a layer before this one named
 /// the caller with a [`Principal`] extension: only for services with one caller, or whose

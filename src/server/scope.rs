@@ -22,14 +22,19 @@ pub(crate) const DIGEST_PREFIX: &str = "sha256:";
 
 /// `text` as a scope keeps a part longer than [`MAX_SCOPE_PART_LEN`].
 pub(crate) fn digest_form(text: &str) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut kept = String::with_capacity(DIGEST_PREFIX.len() + 64);
     kept.push_str(DIGEST_PREFIX);
-    for byte in Sha256::digest(text.as_bytes()) {
-        kept.push(char::from(HEX[usize::from(byte >> 4)]));
-        kept.push(char::from(HEX[usize::from(byte & 0xf)]));
-    }
+    push_hex(&mut kept, &Sha256::digest(text.as_bytes()));
     kept
+}
+
+/// `bytes` in lower-case hex, after `out`: how a scope's digests are written.
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for byte in bytes {
+        out.push(char::from(HEX[usize::from(byte >> 4)]));
+        out.push(char::from(HEX[usize::from(byte & 0xf)]));
+    }
 }
 
 /// How a request names its endpoint, the middle part of a key's scope.
