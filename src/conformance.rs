@@ -98,6 +98,7 @@ macro_rules! __store_conformance_cases {
                 second_claim_sees_in_progress
                 completed_response_is_returned_byte_exact
                 complete_resent_by_holder_is_applied
+                different_completion_by_holder_leaves_the_first
                 release_frees_the_key
                 extend_renews_the_lease
                 in_progress_record_lives_for_its_lease
@@ -287,6 +288,29 @@ pub async fn complete_resent_by_holder_is_applied(store: &dyn Store) {
         .await;
     let step = "a claim after both completions";
     holder.seen_completed(step, &response, LONG, since).await;
+}
+
+/// A different completion sent by the holder after its first was applied (the first's reply
+/// lost, the layer then recording a refusal to replay instead) leaves the first as it was,
+/// its TTL included: waiters and replays may have read it already. It may answer either
+/// [`Fenced::Applied`] or [`Fenced::Lost`].
+pub async fn different_completion_by_holder_leaves_the_first(store: &dyn Store) {
+    let case = Case::new("different_completion_by_holder_leaves_the_first", store);
+    let scope = case.scope("different");
+    let first = binary_response();
+    let holder = case.claimed("the claim", &scope, HOLDER, LONG).await;
+    let since = Instant::now();
+    let step = "the holder's complete";
+    holder.complete(step, &first, LONG, Fenced::Applied).await;
+    let step = "a different complete by the holder, with another fingerprint and a short TTL";
+    if let Err(error) = store
+        .complete(&scope, holder.token, OTHER, &trailers_response(), SHORT)
+        .await
+    {
+        case.fail(step, format_args!("the complete failed: {error}"));
+    }
+    let step = "a claim after both completions";
+    holder.seen_completed(step, &first, LONG, since).await;
 }
 
 /// A release by the holder frees the key: the next claim claims it. The released token is

@@ -292,7 +292,9 @@ pub trait Store: Debug + Send + Sync + 'static {
     ///
     /// Completing again with the same token once the record is completed answers
     /// [`Fenced::Applied`] and changes nothing that matters: the layer retries a completion
-    /// whose reply was lost.
+    /// whose reply was lost. A different completion with that token (a refusal to replay
+    /// the response, recorded where its first write seemed to fail) leaves the completed
+    /// record as it is, and may answer either.
     async fn complete(
         &self,
         scope: &Scope,

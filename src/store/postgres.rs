@@ -1054,18 +1054,33 @@ impl Table {
         );
         // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms, $10 payload, $11
         // resource id. A row this token already completed counts as held while it lives, so
-        // a completion whose reply was lost can be retried (keeping the replays counted
-        // since); once expired (purged or not) it is gone. Completed, and kept for its TTL,
-        // from the clock's time, not `now()`: in the transactional mode the statement runs
-        // in the execution's transaction, whose `now()` is when it began, at the claim.
+        // a completion whose reply was lost can be retried; once expired (purged or not) it
+        // is gone. Such a row is left as it is: what waiters and replays have read of it
+        // stays true. Completed, and kept for its TTL, from the clock's time, not `now()`:
+        // in the transactional mode the statement runs in the execution's transaction,
+        // whose `now()` is when it began, at the claim.
+        let set_once = [
+            ("request_hash", "$5"),
+            ("status_code", "$6"),
+            ("response_headers", "$7"),
+            ("response_body", "$8"),
+            ("completed_at", "clock_timestamp()"),
+            (
+                "expires_at",
+                "clock_timestamp() + $9::bigint * interval '1 millisecond'",
+            ),
+            ("resource_id", "$11"),
+            ("replay_count", "0"),
+            ("last_replayed_at", "NULL"),
+        ]
+        .map(|(column, value)| {
+            format!("{column} = CASE WHEN status = 'completed' THEN {column} ELSE {value} END")
+        })
+        .join(",\n    ");
         let completing = format!(
             "WITH done AS (
-UPDATE {name} SET status = 'completed', request_hash = $5, status_code = $6,
-    response_headers = $7, response_body = $8, completed_at = clock_timestamp(),
-    locked_until = NULL,
-    expires_at = clock_timestamp() + $9::bigint * interval '1 millisecond', resource_id = $11,
-    replay_count = CASE WHEN status = 'completed' THEN replay_count ELSE 0 END,
-    last_replayed_at = CASE WHEN status = 'completed' THEN last_replayed_at END
+UPDATE {name} SET status = 'completed', locked_until = NULL,
+    {set_once}
 WHERE {scope} AND claim_token = $4
     AND ((status = 'completed' AND expires_at > now()) OR locked_until > now())"
         );
