@@ -70,6 +70,9 @@ for_each_store!(
     fingerprint_headers_are_part_of_the_parameters,
     key_reused_with_other_parameters_conflicts;
     not_transactional:
+    a_record_the_store_refuses_for_good_is_refused_to_every_retry,
+    an_outage_past_half_the_lease_still_records_the_response,
+    an_outage_past_half_the_lease_still_records_a_refusal_to_replay,
     crashed_holder_frees_the_key_after_its_lease,
     stale_holder_cannot_touch_the_new_claim,
 );
@@ -1596,5 +1599,179 @@ async fn the_longest_durations_are_kept(store: Arc<dyn Store>) {
         .await
         .assert_executed();
     assert!(send(&app, post("/pay").key("longest")).await.replayed());
+    assert_eq!(handler.executions(), 1);
+}
+
+/// A store in front of another that refuses every record past `refuses_over` bytes of body
+/// however often it is sent (as Redis refuses one past its `proto-max-bulk-len`, PostgreSQL
+/// one past 1 GiB), and fails every operation for `outage` from the first completion sent.
+#[derive(Debug)]
+struct Faulty {
+    inner: Arc<dyn Store>,
+    refuses_over: usize,
+    outage: Duration,
+    outage_ends: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl Faulty {
+    fn refusing_over(inner: Arc<dyn Store>, refuses_over: usize) -> Arc<dyn Store> {
+        Self::around(inner, refuses_over, Duration::ZERO)
+    }
+
+    fn away_from_first_completion(inner: Arc<dyn Store>, outage: Duration) -> Arc<dyn Store> {
+        Self::around(inner, usize::MAX, outage)
+    }
+
+    fn around(inner: Arc<dyn Store>, refuses_over: usize, outage: Duration) -> Arc<dyn Store> {
+        Arc::new(Self {
+            inner,
+            refuses_over,
+            outage,
+            outage_ends: Default::default(),
+        })
+    }
+
+    /// Fails while the outage lasts; `completing` starts it, the first time.
+    fn away(&self, completing: bool) -> tower_idempotency::store::Result<()> {
+        let mut ends = self.outage_ends.lock().unwrap();
+        let now = std::time::Instant::now();
+        if completing && ends.is_none() {
+            *ends = Some(now + self.outage);
+        }
+        match *ends {
+            Some(end) if now < end => Err(backend_error("the store is away")),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn backend_error(what: &str) -> tower_idempotency::store::Error {
+    tower_idempotency::store::Error::Backend(what.into())
+}
+
+#[tower_idempotency::async_trait]
+impl Store for Faulty {
+    async fn claim_with_token(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        token: tower_idempotency::ClaimToken,
+        lease: Duration,
+    ) -> tower_idempotency::store::Result<Claim> {
+        self.away(false)?;
+        let inner = &self.inner;
+        inner
+            .claim_with_token(scope, fingerprint, token, lease)
+            .await
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: tower_idempotency::ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> tower_idempotency::store::Result<Fenced> {
+        self.away(true)?;
+        if response.body.len() > self.refuses_over {
+            return Err(backend_error("value past the store's limit"));
+        }
+        let inner = &self.inner;
+        inner
+            .complete(scope, token, fingerprint, response, ttl)
+            .await
+    }
+
+    async fn release(
+        &self,
+        scope: &Scope,
+        token: tower_idempotency::ClaimToken,
+    ) -> tower_idempotency::store::Result<Fenced> {
+        self.away(false)?;
+        self.inner.release(scope, token).await
+    }
+
+    async fn extend(
+        &self,
+        scope: &Scope,
+        token: tower_idempotency::ClaimToken,
+        lease: Duration,
+    ) -> tower_idempotency::store::Result<Fenced> {
+        self.away(false)?;
+        self.inner.extend(scope, token, lease).await
+    }
+}
+
+/// The lease of the [`Faulty`] cases, and the outage past half of it they survive.
+const FAULTY_LEASE: Duration = Duration::from_secs(3);
+const PAST_HALF_THE_LEASE: Duration = Duration::from_secs(2);
+
+fn not_replayable_201() -> serde_json::Value {
+    serde_json::json!({"error": "response_not_replayable", "status": 201})
+}
+
+/// The store renews the lease but refuses the record for good: the request was never
+/// answered (its completion retried for as long as the renewed lease lasted, that is for
+/// ever, holding the key); now its client gets its response within the lease, and its
+/// retries a refusal to replay it, never a second execution.
+async fn a_record_the_store_refuses_for_good_is_refused_to_every_retry(store: Arc<dyn Store>) {
+    let store = Faulty::refusing_over(store, 1000);
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).lease(FAULTY_LEASE));
+    let big = || post("/pay").key("refused").header("x-body-len", "2000");
+    let first = tokio::time::timeout(Duration::from_secs(10), send(&app, big()))
+        .await
+        .expect("answered within its lease, not retried while the lease is renewed");
+    assert_eq!(
+        (first.status, first.body.len()),
+        (StatusCode::CREATED, 2000)
+    );
+    for _ in 0..2 {
+        let retry = send(&app, big()).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT);
+        assert_eq!(retry.json(), not_replayable_201());
+    }
+    // A record the store takes is recorded and replayed as ever.
+    assert!(!send(&app, post("/pay").key("small")).await.replayed());
+    assert!(send(&app, post("/pay").key("small")).await.replayed());
+    assert_eq!(handler.executions(), 2);
+}
+
+/// An outage from the completion on, longer than half the lease but shorter than it, fails
+/// the renewals too: the record is written once the store is back, not given up for a
+/// refusal to replay as one the store refuses for good would be.
+async fn an_outage_past_half_the_lease_still_records_the_response(store: Arc<dyn Store>) {
+    let store = Faulty::away_from_first_completion(store, PAST_HALF_THE_LEASE);
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).lease(FAULTY_LEASE));
+    let first = send(&app, post("/pay").key("outage")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(&app, post("/pay").key("outage")).await;
+    assert!(retry.replayed(), "{:?}: {:?}", retry.status, retry.json());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(handler.executions(), 1);
+}
+
+/// A response over `max_response_body` is recorded as a refusal to replay it; an outage past
+/// half the lease must not cost that record: once the lease ran out, a retry would execute
+/// again.
+async fn an_outage_past_half_the_lease_still_records_a_refusal_to_replay(store: Arc<dyn Store>) {
+    let store = Faulty::away_from_first_completion(store, PAST_HALF_THE_LEASE);
+    let handler = Handler::default();
+    let layer = layer(&store).lease(FAULTY_LEASE).max_response_body(1000);
+    let app = router(&handler, layer);
+    let big = || post("/pay").key("too-large").header("x-body-len", "2000");
+    let started = tokio::time::Instant::now();
+    let first = send(&app, big()).await;
+    assert_eq!(
+        (first.status, first.body.len()),
+        (StatusCode::CREATED, 2000)
+    );
+    // Past the lease: a key given up meanwhile would be free again.
+    tokio::time::sleep_until(started + FAULTY_LEASE + Duration::from_millis(500)).await;
+    let retry = send(&app, big()).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(retry.json(), not_replayable_201());
     assert_eq!(handler.executions(), 1);
 }

@@ -2,7 +2,7 @@
 //! stored without the headers that belong to one transmission, and handed on to its
 //! client whole, whatever was recorded.
 
-use std::{fmt, pin::Pin};
+use std::{fmt, future::Future, pin::Pin};
 
 use bytes::{Bytes, BytesMut};
 use http::{header, response, HeaderMap, HeaderName, Response, StatusCode};
@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::{
     body::ResponseBody,
     grpc::Protocol,
-    lease::Lease,
+    lease::{Completed, Lease},
     rejection::{Reason, Rejection},
     telemetry::RequestOutcome,
 };
@@ -60,7 +60,9 @@ where
     } = captured;
     let ended = Instant::now();
     lease.shared().state.meters.executed_for(ended - started);
-    let (stored, fingerprint, outcome, answer) = match buffered {
+    // With, where the response itself is recorded, the fingerprint a refusal to replay it
+    // would be recorded under.
+    let (stored, fingerprint, refusable, answer) = match buffered {
         Buffered::Whole { body, trailers } => {
             let releases = config.release.releases_whole(
                 protocol,
@@ -73,6 +75,7 @@ where
                 let body = ResponseBody::with_boxed_trailers(body, trailers);
                 return Response::from_parts(parts, body);
             }
+            let plain = fingerprint;
             let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
             // The record borrows the response's body, trailers and, when a replay keeps
             // every one, headers, and hands them back once written: copying them
@@ -91,7 +94,7 @@ where
                 trailers,
             };
             let answer = Answer::Recorded { headers_lent };
-            (stored, fingerprint, RequestOutcome::Executed, answer)
+            (stored, fingerprint, Some(plain), answer)
         }
         Buffered::TooLarge { prefix, rest } => {
             lease.warn(
@@ -105,7 +108,7 @@ where
             let stored = Rejection::new(reason, endpoint).into_stored(protocol, renderer);
             // Not the response but a refusal to replay it, to every retry alike.
             let answer = Answer::Streamed(ResponseBody::spliced(prefix, rest));
-            (stored, fingerprint, RequestOutcome::NotReplayable, answer)
+            (stored, fingerprint, None, answer)
         }
         Buffered::Failed(error) => {
             tracing::error!(%error, "the response body failed");
@@ -115,14 +118,23 @@ where
             return response;
         }
     };
-    let recorded = lease.complete(fingerprint, &stored, ended).await;
-    if !recorded && lease.shared().store.commits_handler_writes() {
+    let mut outcome = match refusable {
+        Some(_) => RequestOutcome::Executed,
+        None => RequestOutcome::NotReplayable,
+    };
+    let completed = lease
+        .complete(fingerprint, &stored, ended, refusable.is_some())
+        .await;
+    if completed != Completed::Recorded && lease.shared().store.commits_handler_writes() {
         // The handler's writes were rolled back with the record: its response would tell
         // of what did not happen. The retry executes again.
         lease.shared().answered(RequestOutcome::StoreUnavailable);
         let endpoint = lease.scope().endpoint().to_owned();
         let rejection = Rejection::new(Reason::StoreUnavailable, endpoint);
         return rejection.into_response(protocol, config.render_rejections.as_deref());
+    }
+    if let (Completed::Refused, Some(plain)) = (completed, refusable) {
+        outcome = refuse_replays(lease, protocol, plain, stored.status).await;
     }
     lease.shared().answered(outcome);
     let body = match answer {
@@ -135,6 +147,31 @@ where
         Answer::Streamed(body) => body,
     };
     Response::from_parts(parts, body)
+}
+
+/// Records a refusal to replay a response of `status` where the store refused its record
+/// for good: the retries get `409 response_not_replayable`, as for a response over
+/// `max_response_body`, never a second execution. Boxed and out of line: it is rare, and
+/// in place it would make every execution's future larger.
+#[cold]
+#[inline(never)]
+fn refuse_replays<'a>(
+    lease: &'a Lease,
+    protocol: Protocol,
+    fingerprint: Fingerprint,
+    status: StatusCode,
+) -> Pin<Box<dyn Future<Output = RequestOutcome> + Send + 'a>> {
+    Box::pin(async move {
+        let config = &lease.shared().config;
+        let endpoint = lease.scope().endpoint().to_owned();
+        let refusal = Rejection::new(Reason::NotReplayable { status }, endpoint)
+            .into_stored(protocol, config.render_rejections.as_deref());
+        if lease.record_refusal(fingerprint, &refusal).await {
+            RequestOutcome::NotReplayable
+        } else {
+            RequestOutcome::Executed
+        }
+    })
 }
 
 /// What a recorded execution's client gets once the record is written.

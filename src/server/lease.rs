@@ -29,6 +29,27 @@ use crate::{
 const WRITE_RETRY_FIRST: Duration = Duration::from_millis(25);
 const WRITE_RETRY_MAX: Duration = Duration::from_secs(1);
 
+/// What came of writing a response's record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Completed {
+    /// The store applied it.
+    Recorded,
+    /// Not written: the claim was lost, or the store failed every attempt until the lease
+    /// ran out.
+    NotRecorded,
+    /// The store failed this one write for half a lease while it applied the lease's
+    /// renewals: it refuses the record for good (one past its size limit), and the key is
+    /// still this request's.
+    Refused,
+}
+
+/// A write after the handler that was given up.
+struct Unwritten {
+    error: store::Error,
+    /// Given up while the store applied the lease's renewals, not for an outage.
+    refused: bool,
+}
+
 /// Claims `scope` with `token`, sent at `sent` (timed from then), or reads what holds it;
 /// with when the answer came, which starts an execution without reading the clock again.
 /// A claim whose answer its request never sees (dropped while in flight, or failed) is
@@ -155,12 +176,19 @@ impl Lease {
     /// idempotent, so repeating one that did apply is harmless; past the lease, the key
     /// may be another request's, and the fence would refuse the write anyway. The first
     /// attempt is timed from `started`, a reading its caller took anyway.
+    ///
+    /// A `refusable` write (a response's own record, outside the transactional mode) is
+    /// given up half a lease after the store first applied a renewal while failing it: a
+    /// store that takes the renewals but refuses this write however often it is sent would
+    /// otherwise keep it retried, and the key held, for ever. An outage, which fails the
+    /// renewals too, keeps the lease as the only bound.
     async fn write_until_settled<'a, F>(
         &'a self,
         operation: Operation,
         write: impl Fn() -> F,
         started: Instant,
-    ) -> store::Result<Fenced>
+        refusable: bool,
+    ) -> Result<Fenced, Unwritten>
     where
         F: Future<Output = store::Result<Fenced>> + 'a,
     {
@@ -169,16 +197,34 @@ impl Lease {
         let written = write().await;
         meters.stored(operation, started, &written);
         let first = match written {
+            Ok(fenced) => return Ok(fenced),
             Err(error) => error,
-            done => return done,
         };
         let retries = async {
+            let shared = &self.shared;
+            let refused_after = (refusable && !shared.store.commits_handler_writes())
+                .then(|| shared.config.lease / 2);
+            let failed_at = Instant::now();
+            let mut answering_since = None;
             let mut error = first;
             let mut backoff = WRITE_RETRY_FIRST;
             loop {
                 let next = Instant::now() + backoff;
-                if next >= self.lease_ends() {
-                    return Err(error);
+                let renewed = self.renewed_at();
+                if next >= renewed + self.shared.config.lease {
+                    return Err(Unwritten {
+                        error,
+                        refused: false,
+                    });
+                }
+                if let Some(budget) = refused_after.filter(|_| renewed > failed_at) {
+                    let since = *answering_since.get_or_insert(renewed);
+                    if next >= since + budget {
+                        return Err(Unwritten {
+                            error,
+                            refused: true,
+                        });
+                    }
                 }
                 tracing::warn!(
                     %error, retry_in = ?backoff,
@@ -190,8 +236,8 @@ impl Lease {
                 let written = write().await;
                 meters.stored(operation, started, &written);
                 error = match written {
+                    Ok(fenced) => return Ok(fenced),
                     Err(error) => error,
-                    done => return done,
                 };
             }
         };
@@ -200,9 +246,9 @@ impl Lease {
         Box::pin(self.renew_while(retries, Instant::now())).await
     }
 
-    /// When the claim's lease runs out, as far as this request knows.
-    fn lease_ends(&self) -> Instant {
-        *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) + self.shared.config.lease
+    /// When the last claim or renewal the store applied was sent.
+    fn renewed_at(&self) -> Instant {
+        *self.renewed.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Gives the key back, so that a retry executes again; counted as released.
@@ -222,39 +268,131 @@ impl Lease {
 
     async fn give_back(&self) -> store::Result<Fenced> {
         let release = || self.shared.store.release(&self.scope, self.token);
-        self.write_until_settled(Operation::Release, release, Instant::now())
+        self.write_until_settled(Operation::Release, release, Instant::now(), false)
             .await
+            .map_err(|unwritten| unwritten.error)
     }
 
     /// Records `response` as the key's outcome, replayed to every retry until the
-    /// layer's ttl runs out, timed from `now`: whether the store applied it.
+    /// layer's ttl runs out, timed from `now`. A `refusable` response (one recorded as
+    /// itself, not already a refusal to replay it) is given up as
+    /// [`Refused`](Completed::Refused) when the store takes everything but this record
+    /// (see [`write_until_settled`](Self::write_until_settled)); not in the transactional
+    /// mode, where the lease stays the only bound and a record not written answers `503`.
     pub(crate) async fn complete(
         &self,
         fingerprint: Fingerprint,
         response: &StoredResponse,
         now: Instant,
-    ) -> bool {
+        refusable: bool,
+    ) -> Completed {
+        let shared = &self.shared;
+        match self
+            .write_record(fingerprint, response, now, refusable)
+            .await
+        {
+            Ok(Fenced::Applied) => return Completed::Recorded,
+            Ok(Fenced::Lost) => {
+                self.warn("claim lost before the response was recorded: it will not be replayed")
+            }
+            Err(Unwritten {
+                error,
+                refused: true,
+            }) => {
+                tracing::error!(
+                    %error,
+                    "the store takes the lease's renewals but refuses the response's record: recording that it cannot be replayed"
+                );
+                return Completed::Refused;
+            }
+            Err(Unwritten { error, .. }) if shared.store.commits_handler_writes() => {
+                tracing::error!(
+                    %error,
+                    "could not commit the response's record, nor the handler's writes with it: answering 503, and a retry executes again"
+                )
+            }
+            Err(Unwritten { error, .. }) => tracing::error!(
+                %error,
+                "could not record the response within the lease: a retry after the lease runs out executes again"
+            ),
+        }
+        Completed::NotRecorded
+    }
+
+    /// Writes `response` as the key's record (see
+    /// [`write_until_settled`](Self::write_until_settled)).
+    async fn write_record(
+        &self,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        started: Instant,
+        refusable: bool,
+    ) -> Result<Fenced, Unwritten> {
         let ttl = self.shared.config.ttl;
         let complete = || {
             self.shared
                 .store
                 .complete(&self.scope, self.token, fingerprint, response, ttl)
         };
-        match self
-            .write_until_settled(Operation::Complete, complete, now)
+        self.write_until_settled(Operation::Complete, complete, started, refusable)
             .await
-        {
-            Ok(Fenced::Applied) => return true,
+    }
+
+    /// Records `refusal` (a `409 response_not_replayable`) under `fingerprint` where the
+    /// store refused the response's own record ([`Completed::Refused`]), so that no retry
+    /// executes again: whether it was recorded. A record already there (the response's,
+    /// its write applied though its answer was lost) is left as it is.
+    pub(crate) async fn record_refusal(
+        &self,
+        fingerprint: Fingerprint,
+        refusal: &StoredResponse,
+    ) -> bool {
+        let (shared, lease) = (&self.shared, self.shared.config.lease);
+        let sent = Instant::now();
+        // Sent with this claim's token, the claim reads the key: it leaves a claim of
+        // this token as it is, and takes the key only if it is free.
+        let read = shared
+            .store
+            .claim_with_token(&self.scope, fingerprint, self.token, lease)
+            .await;
+        shared.state.meters.stored(Operation::Claim, sent, &read);
+        match read {
+            Ok(Claim::Completed { .. }) => {
+                self.warn("the response's record was written after all: it is replayed");
+                return false;
+            }
+            Ok(Claim::InProgress {
+                fingerprint: holder,
+                ..
+            }) if holder != fingerprint => {
+                self.warn("claim lost before the response was recorded: it will not be replayed");
+                return false;
+            }
+            _ => {}
+        }
+        let complete = || {
+            shared.store.complete(
+                &self.scope,
+                self.token,
+                fingerprint,
+                refusal,
+                shared.config.ttl,
+            )
+        };
+        let written = self
+            .write_until_settled(Operation::Complete, complete, Instant::now(), false)
+            .await;
+        match written {
+            Ok(Fenced::Applied) => {
+                self.warn("recorded that the response cannot be replayed: retries get 409 response_not_replayable");
+                return true;
+            }
             Ok(Fenced::Lost) => {
                 self.warn("claim lost before the response was recorded: it will not be replayed")
             }
-            Err(error) if self.shared.store.commits_handler_writes() => tracing::error!(
+            Err(Unwritten { error, .. }) => tracing::error!(
                 %error,
-                "could not commit the response's record, nor the handler's writes with it: answering 503, and a retry executes again"
-            ),
-            Err(error) => tracing::error!(
-                %error,
-                "could not record the response within the lease: a retry after the lease runs out executes again"
+                "could not record that the response cannot be replayed within the lease: a retry after the lease runs out executes again"
             ),
         }
         false
