@@ -1141,3 +1141,60 @@ async fn a_replicas_wait_must_fit_in_the_store_timeout() {
     assert!(matches!(fresh, Ok(Claim::Claimed(_))), "{fresh:?}");
     assert!(matches!(replay, Ok(Claim::Completed { .. })), "{replay:?}");
 }
+
+/// A record past the server's `proto-max-bulk-len` (lowered here to its least, 1 MiB, as a
+/// response near 512 MiB would be by default), which Redis refuses however often it is
+/// sent: the client gets its response, and the retries a refusal to replay it. Sent, the
+/// record made Redis close the connection, failing the lease's renewals with it: each
+/// retry after the lease ran out executed the payment again. Told the server's limit, the
+/// store refuses the record without sending it; not told, it learns it from the first
+/// refusal.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn a_record_past_the_servers_value_limit_neither_hangs_nor_executes_again() {
+    for told in [true, false] {
+        past_the_value_limit(told).await;
+    }
+}
+
+async fn past_the_value_limit(told: bool) {
+    use support::app::{self as app, post, router, send};
+
+    let server = RedisServer::start();
+    server.cli(&["CONFIG", "SET", "proto-max-bulk-len", "1mb"]);
+    let store = RedisStore::open(&server.url()).await.unwrap();
+    let store = if told {
+        store.max_value_len(1 << 20)
+    } else {
+        store
+    };
+    let store: Arc<dyn Store> = Arc::new(store);
+    let handler = app::Handler::default();
+    let lease = Duration::from_secs(3);
+    let layer = app::layer(&store).max_response_body(4 << 20).lease(lease);
+    let app = router(&handler, layer);
+    let big = || post("/pay").key("refused").header("x-body-len", "2000000");
+    let started = Instant::now();
+    let first = timeout(Duration::from_secs(10), send(&app, big()))
+        .await
+        .expect("answered, not retried for as long as the lease is renewed");
+    assert_eq!(first.status, StatusCode::CREATED, "told: {told}");
+    assert_eq!(first.body.len(), 2_000_000);
+    // Past the lease, which a record given up for an outage would have let run out.
+    sleep_until(started + lease + Duration::from_millis(500)).await;
+    // Not replayed, never executed again: a refusal to replay it, to every retry.
+    for _ in 0..3 {
+        let retry = send(&app, big()).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "told: {told}");
+        assert_eq!(
+            retry.json(),
+            serde_json::json!({"error": "response_not_replayable", "status": 201})
+        );
+    }
+    assert_eq!(handler.executions(), 1, "told: {told}");
+    // A record within the limit is written and replayed.
+    let within = || post("/pay").key("within").header("x-body-len", "1000000");
+    assert!(!send(&app, within()).await.replayed());
+    assert!(send(&app, within()).await.replayed());
+    assert_eq!(handler.executions(), 2);
+}

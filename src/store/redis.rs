@@ -11,7 +11,7 @@ mod subscriber;
 use std::{
     fmt,
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, LazyLock,
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -195,6 +195,9 @@ impl Lua {
     }
 }
 
+/// Redis's default `proto-max-bulk-len`: the largest value it takes in one argument.
+const DEFAULT_MAX_VALUE_LEN: usize = 512 * 1024 * 1024;
+
 /// Defaults for the connection made by [`RedisStore::open`]: a request waits at most this
 /// long for Redis before the layer answers `503` (fail closed).
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -267,6 +270,9 @@ pub struct RedisStore {
     /// The database the keys are in, as far as the store knows it (0 otherwise), which
     /// signatures cover: Redis relays messages across its databases.
     database: i64,
+    /// The largest value the server takes in one argument ([`RedisStore::max_value_len`]),
+    /// lowered when the server refuses a longer one.
+    max_value_len: Arc<AtomicUsize>,
 }
 
 /// Where the commands go, batched into pipelines.
@@ -287,6 +293,18 @@ pub enum RedisStoreError {
     /// Redis answered something the scripts never return.
     #[error("unexpected redis reply: {0}")]
     UnexpectedReply(String),
+    /// A record larger than the server takes in one value
+    /// ([`RedisStore::max_value_len`]): not sent.
+    #[error(
+        "a record of {len} bytes is longer than the store sends Redis in one value \
+         ({max} bytes, for its proto-max-bulk-len): not sent"
+    )]
+    ValueTooLarge {
+        /// The record's length, as stored.
+        len: usize,
+        /// The store's [`max_value_len`](RedisStore::max_value_len).
+        max: usize,
+    },
 }
 
 impl From<RedisStoreError> for Error {
@@ -436,6 +454,7 @@ impl RedisStore {
             announce: false,
             signer: None,
             database: 0,
+            max_value_len: Arc::new(AtomicUsize::new(DEFAULT_MAX_VALUE_LEN)),
         }
     }
 
@@ -714,6 +733,42 @@ impl RedisStore {
         self
     }
 
+    /// The largest value the server takes in one command argument: its
+    /// `proto-max-bulk-len`, 512 MiB (the default) unless lowered. A completion whose record
+    /// is larger fails without being sent ([`RedisStoreError::ValueTooLarge`]): sent, Redis
+    /// answers with a protocol error and closes the connection, failing the commands of
+    /// every request that shared it, the lease's renewals included. The layer, whose
+    /// renewals the store still applies, then records a refusal to replay the response
+    /// instead (`409 response_not_replayable`), as for one over its `max_response_body`.
+    /// Where the server's limit is lower than this, the first record past it is sent and
+    /// refused, and the store keeps to that length from then on (logged once per
+    /// length). Default: 512 MiB.
+    ///
+    /// # Panics
+    ///
+    /// If `bytes` is zero: no record could be written.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::RedisStoreError> {
+    /// use tower_idempotency::RedisStore;
+    /// // The server runs with `proto-max-bulk-len 64mb`.
+    /// let store = RedisStore::open("redis://127.0.0.1/")
+    ///     .await?
+    ///     .max_value_len(64 * 1024 * 1024);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn max_value_len(mut self, bytes: usize) -> Self {
+        assert!(
+            bytes > 0,
+            "RedisStore::max_value_len must be more than zero: no record could be written"
+        );
+        self.max_value_len = Arc::new(AtomicUsize::new(bytes));
+        self
+    }
+
     /// The Redis key holding a scope's record.
     pub fn redis_key(&self, scope: &Scope) -> String {
         let scope = scope.storage_key();
@@ -804,6 +859,30 @@ impl RedisStore {
             reply: fenced(applied.reply),
             unacknowledged: applied.unacknowledged,
         })
+    }
+
+    /// Keeps below `len` from now on when the server refused a value of that length as past
+    /// its `proto-max-bulk-len`: sent again, each would close the connection again.
+    #[cold]
+    fn learn_value_limit(&self, error: &Error, len: usize) {
+        let Error::Backend(error) = error else {
+            return;
+        };
+        let Some(RedisStoreError::Redis(error)) = error.downcast_ref() else {
+            return;
+        };
+        let refused = matches!(error.kind(), redis::ErrorKind::Server(_))
+            && error.to_string().contains("invalid bulk length");
+        if !refused {
+            return;
+        }
+        let before = self.max_value_len.fetch_min(len - 1, Ordering::Relaxed);
+        if before >= len {
+            tracing::warn!(
+                len,
+                "Redis refused a record past its proto-max-bulk-len: records this long are refused from now on without being sent (RedisStore::max_value_len)"
+            );
+        }
     }
 
     /// Counts and logs a write that the replicas of [`replicas`](Self::replicas) did not
@@ -1068,7 +1147,13 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<Fenced> {
         // The value as Redis stores it, so that the script sets it without concatenating.
-        let mut value = BytesMut::with_capacity(1 + completed_len(response) + DEADLINE_LEN);
+        let len = 1 + completed_len(response) + DEADLINE_LEN;
+        let max = self.max_value_len.load(Ordering::Relaxed);
+        if len > max {
+            let too_large = RedisStoreError::ValueTooLarge { len, max };
+            return Err(Error::Unavailable(Box::new(too_large)));
+        }
+        let mut value = BytesMut::with_capacity(len);
         value.put_u8(WITH_EXPIRY);
         put_completed(&mut value, &fingerprint, response);
         value.put_u64(deadline(ttl));
@@ -1097,10 +1182,11 @@ impl Store for RedisStore {
             (Some(channel), None) => &[&value, ttl.as_bytes(), channel.as_bytes()],
             (None, _) => &[&value, ttl.as_bytes()],
         };
+        let fenced = self.eval_fenced(script, &key, token, args, true).await;
         let Acked {
             reply: completed,
             unacknowledged,
-        } = self.eval_fenced(script, &key, token, args, true).await?;
+        } = fenced.inspect_err(|error| self.learn_value_limit(error, len))?;
         if let (Fenced::Applied, Some(error)) = (completed, unacknowledged) {
             // On its master, which answers replays: the client gets its answer now, and the
             // replicas are asked again meanwhile.
@@ -1227,6 +1313,7 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
+            .field("max_value_len", &self.max_value_len.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
