@@ -28,7 +28,10 @@ use tower_idempotency::{
     Store, StoredResponse,
 };
 
-use support::app::*;
+use support::{
+    app::*,
+    wrapped_store::{Hooks, Operation, Wrapped},
+};
 
 for_each_store!(
     first_execution_then_byte_exact_replay,
@@ -1602,12 +1605,12 @@ async fn the_longest_durations_are_kept(store: Arc<dyn Store>) {
     assert_eq!(handler.executions(), 1);
 }
 
-/// A store in front of another that refuses every record past `refuses_over` bytes of body
-/// however often it is sent (as Redis refuses one past its `proto-max-bulk-len`, PostgreSQL
-/// one past 1 GiB), and fails every operation for `outage` from the first completion sent.
+/// What a store in front of another fails: every record past `refuses_over` bytes of body,
+/// however often it is sent (as Redis refuses one past its `proto-max-bulk-len`,
+/// PostgreSQL one past 1 GiB), and every operation for `outage` from the first completion
+/// sent.
 #[derive(Debug)]
 struct Faulty {
-    inner: Arc<dyn Store>,
     refuses_over: usize,
     outage: Duration,
     outage_ends: std::sync::Mutex<Option<std::time::Instant>>,
@@ -1623,25 +1626,12 @@ impl Faulty {
     }
 
     fn around(inner: Arc<dyn Store>, refuses_over: usize, outage: Duration) -> Arc<dyn Store> {
-        Arc::new(Self {
-            inner,
+        let faults = Self {
             refuses_over,
             outage,
             outage_ends: Default::default(),
-        })
-    }
-
-    /// Fails while the outage lasts; `completing` starts it, the first time.
-    fn away(&self, completing: bool) -> tower_idempotency::store::Result<()> {
-        let mut ends = self.outage_ends.lock().unwrap();
-        let now = std::time::Instant::now();
-        if completing && ends.is_none() {
-            *ends = Some(now + self.outage);
-        }
-        match *ends {
-            Some(end) if now < end => Err(backend_error("the store is away")),
-            _ => Ok(()),
-        }
+        };
+        Wrapped::new(inner, faults)
     }
 }
 
@@ -1649,57 +1639,23 @@ fn backend_error(what: &str) -> tower_idempotency::store::Error {
     tower_idempotency::store::Error::Backend(what.into())
 }
 
-#[tower_idempotency::async_trait]
-impl Store for Faulty {
-    async fn claim_with_token(
-        &self,
-        scope: &Scope,
-        fingerprint: Fingerprint,
-        token: tower_idempotency::ClaimToken,
-        lease: Duration,
-    ) -> tower_idempotency::store::Result<Claim> {
-        self.away(false)?;
-        let inner = &self.inner;
-        inner
-            .claim_with_token(scope, fingerprint, token, lease)
-            .await
-    }
-
-    async fn complete(
-        &self,
-        scope: &Scope,
-        token: tower_idempotency::ClaimToken,
-        fingerprint: Fingerprint,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> tower_idempotency::store::Result<Fenced> {
-        self.away(true)?;
-        if response.body.len() > self.refuses_over {
-            return Err(backend_error("value past the store's limit"));
+impl Hooks for Faulty {
+    fn before(&self, operation: Operation<'_>) -> tower_idempotency::store::Result<()> {
+        let mut ends = self.outage_ends.lock().unwrap();
+        let now = std::time::Instant::now();
+        let completing = matches!(operation, Operation::Complete(_));
+        if completing && ends.is_none() {
+            *ends = Some(now + self.outage);
         }
-        let inner = &self.inner;
-        inner
-            .complete(scope, token, fingerprint, response, ttl)
-            .await
-    }
-
-    async fn release(
-        &self,
-        scope: &Scope,
-        token: tower_idempotency::ClaimToken,
-    ) -> tower_idempotency::store::Result<Fenced> {
-        self.away(false)?;
-        self.inner.release(scope, token).await
-    }
-
-    async fn extend(
-        &self,
-        scope: &Scope,
-        token: tower_idempotency::ClaimToken,
-        lease: Duration,
-    ) -> tower_idempotency::store::Result<Fenced> {
-        self.away(false)?;
-        self.inner.extend(scope, token, lease).await
+        if matches!(*ends, Some(end) if now < end) {
+            return Err(backend_error("the store is away"));
+        }
+        match operation {
+            Operation::Complete(response) if response.body.len() > self.refuses_over => {
+                Err(backend_error("value past the store's limit"))
+            }
+            _ => Ok(()),
+        }
     }
 }
 

@@ -8,24 +8,22 @@
 
 mod support;
 
-use std::{
-    sync::{
-        atomic::{AtomicUsize, Ordering},
-        Arc,
-    },
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use axum::http::StatusCode;
 use tower_idempotency::{
-    async_trait,
-    store::{self, Claim, Fenced, Watch},
+    store::{Claim, Fenced, Watch},
     ClaimToken, Fingerprint, IdempotencyLayer, PostgresStore, RedisStore, Scope, Store,
     StoredResponse,
 };
 
 use futures_util::StreamExt;
-use support::{app::*, redis_server::RedisServer, redis_topology::RedisCluster};
+use support::{
+    app::*,
+    redis_server::RedisServer,
+    redis_topology::RedisCluster,
+    wrapped_store::{ClaimsCounted, Wrapped},
+};
 
 /// Two instances of one store on the same records.
 struct Instances {
@@ -290,9 +288,9 @@ async fn reads_of_duplicates_on_b_after(
     instances: Instances,
     key: &str,
     body_len: usize,
-    meanwhile: impl AsyncFnOnce(&ReadsCounted),
+    meanwhile: impl AsyncFnOnce(&Wrapped<ClaimsCounted>),
 ) -> (usize, usize) {
-    let b = Arc::new(ReadsCounted::new(instances.b.clone()));
+    let b = Wrapped::new(instances.b.clone(), ClaimsCounted::default());
     let instances = Instances {
         b: b.clone(),
         ..instances
@@ -304,7 +302,7 @@ async fn reads_of_duplicates_on_b_after(
     let original = spawn_send(&a, original);
     until_executing(&handler, 1).await;
     let duplicates = three_waiting(&b_app, || post("/pay").key(key)).await;
-    let to_wait = b.reads();
+    let to_wait = b.hooks.count();
     assert_eq!(to_wait, 2 * duplicates.len());
     meanwhile(&b).await;
     handler.gate.add_permits(1);
@@ -312,75 +310,7 @@ async fn reads_of_duplicates_on_b_after(
     assert_eq!(original.body.len(), body_len);
     each_gets_the_replay(duplicates, &original).await;
     assert_eq!(handler.executions(), 1);
-    (to_wait, b.reads())
-}
-
-/// A store whose claims (each a read of the key when it is held) are counted.
-#[derive(Debug)]
-struct ReadsCounted {
-    store: Arc<dyn Store>,
-    claims: AtomicUsize,
-}
-
-impl ReadsCounted {
-    fn new(store: Arc<dyn Store>) -> Self {
-        Self {
-            store,
-            claims: AtomicUsize::new(0),
-        }
-    }
-
-    fn reads(&self) -> usize {
-        self.claims.load(Ordering::SeqCst)
-    }
-}
-
-#[async_trait]
-impl Store for ReadsCounted {
-    async fn claim_with_token(
-        &self,
-        scope: &Scope,
-        fingerprint: Fingerprint,
-        token: ClaimToken,
-        lease: Duration,
-    ) -> store::Result<Claim> {
-        self.claims.fetch_add(1, Ordering::SeqCst);
-        let claim = self
-            .store
-            .claim_with_token(scope, fingerprint, token, lease);
-        claim.await
-    }
-
-    async fn complete(
-        &self,
-        scope: &Scope,
-        token: ClaimToken,
-        fingerprint: Fingerprint,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> store::Result<Fenced> {
-        let complete = self
-            .store
-            .complete(scope, token, fingerprint, response, ttl);
-        complete.await
-    }
-
-    async fn release(&self, scope: &Scope, token: ClaimToken) -> store::Result<Fenced> {
-        self.store.release(scope, token).await
-    }
-
-    async fn extend(
-        &self,
-        scope: &Scope,
-        token: ClaimToken,
-        lease: Duration,
-    ) -> store::Result<Fenced> {
-        self.store.extend(scope, token, lease).await
-    }
-
-    async fn watch(&self, scope: &Scope) -> store::Result<Option<Watch>> {
-        self.store.watch(scope).await
-    }
+    (to_wait, b.hooks.count())
 }
 
 async fn a_duplicate_on_another_instance_executes_when_the_original_is_released(

@@ -12,6 +12,7 @@ pub mod payments;
 pub mod raw_http;
 pub mod redis_server;
 pub mod redis_topology;
+pub mod wrapped_store;
 
 /// The message of the panic with which `configure` refuses a setting; a panic of this
 /// test's own when `configure` takes it.

@@ -1,0 +1,117 @@
+//! A store in front of another that fails or changes some of its operations, as a backend
+//! in trouble would, and passes the rest on: faults the real servers cannot be made to show
+//! on cue.
+
+use std::{
+    fmt::Debug,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use tower_idempotency::{
+    async_trait,
+    store::{Claim, Fenced, Result, Watch},
+    ClaimToken, Fingerprint, Scope, Store, StoredResponse,
+};
+
+/// An operation about to be sent to the store behind.
+pub enum Operation<'a> {
+    Claim,
+    Complete(&'a StoredResponse),
+    Release,
+    Extend,
+}
+
+/// What a [`Wrapped`] store changes.
+pub trait Hooks: Debug + Send + Sync + 'static {
+    /// Before each operation: an error fails it, unsent.
+    fn before(&self, _operation: Operation<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// A claim's answer, as the wrapper tells it.
+    fn claimed(&self, claim: Claim) -> Claim {
+        claim
+    }
+}
+
+/// Counts the claims sent: each a read of the key when it is held.
+#[derive(Debug, Default)]
+pub struct ClaimsCounted(AtomicUsize);
+
+impl ClaimsCounted {
+    pub fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl Hooks for ClaimsCounted {
+    fn before(&self, operation: Operation<'_>) -> Result<()> {
+        if let Operation::Claim = operation {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+pub struct Wrapped<H> {
+    pub inner: Arc<dyn Store>,
+    pub hooks: H,
+}
+
+impl<H: Hooks> Wrapped<H> {
+    pub fn new(inner: Arc<dyn Store>, hooks: H) -> Arc<Self> {
+        Arc::new(Self { inner, hooks })
+    }
+}
+
+#[async_trait]
+impl<H: Hooks> Store for Wrapped<H> {
+    async fn claim_with_token(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> Result<Claim> {
+        self.hooks.before(Operation::Claim)?;
+        let inner = &self.inner;
+        let claim = inner
+            .claim_with_token(scope, fingerprint, token, lease)
+            .await?;
+        Ok(self.hooks.claimed(claim))
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        fingerprint: Fingerprint,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<Fenced> {
+        self.hooks.before(Operation::Complete(response))?;
+        let inner = &self.inner;
+        inner
+            .complete(scope, token, fingerprint, response, ttl)
+            .await
+    }
+
+    async fn release(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+        self.hooks.before(Operation::Release)?;
+        self.inner.release(scope, token).await
+    }
+
+    async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
+        self.hooks.before(Operation::Extend)?;
+        self.inner.extend(scope, token, lease).await
+    }
+
+    async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
+        self.inner.watch(scope).await
+    }
+}
