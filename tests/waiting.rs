@@ -7,9 +7,12 @@ mod support;
 use std::{sync::Arc, time::Duration};
 
 use axum::http::StatusCode;
-use tower_idempotency::{MemoryStore, PostgresStore, RedisStore, Store};
+use tower_idempotency::{store::Claim, MemoryStore, PostgresStore, RedisStore, Store};
 
-use support::app::*;
+use support::{
+    app::*,
+    wrapped_store::{ClaimsCounted, Hooks, Operation, Wrapped},
+};
 
 /// Runs every case through `$runner` (a macro that takes the cases' names).
 macro_rules! every_case {
@@ -474,4 +477,70 @@ async fn waiters_on_many_keys_leave_nothing_watched() {
         0,
         "keys still watched after every waiter answered"
     );
+}
+
+/// What a store in front of another changes: its answers tell no time left of a lease, as
+/// Redis's do when the holder's clock runs behind the reader's by more than the lease (the
+/// holder wrote its deadline by its clock; Redis keeps the key for the lease all the
+/// same). Its claims are counted.
+#[derive(Debug, Default)]
+struct HolderClockBehind {
+    reads: ClaimsCounted,
+}
+
+impl Hooks for HolderClockBehind {
+    fn before(&self, operation: Operation<'_>) -> tower_idempotency::store::Result<()> {
+        self.reads.before(operation)
+    }
+
+    fn claimed(&self, claim: Claim) -> Claim {
+        match claim {
+            Claim::InProgress {
+                fingerprint,
+                running_for,
+                ..
+            } => Claim::InProgress {
+                fingerprint,
+                lease_remaining: Duration::ZERO,
+                running_for,
+            },
+            other => other,
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_key_held_past_the_lease_it_was_read_with_is_read_with_backoff_in_memory() {
+    held_past_its_lease_read_with_backoff(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
+async fn a_key_held_past_the_lease_it_was_read_with_is_read_with_backoff_on_redis() {
+    let test = "held_past_its_lease_read_with_backoff";
+    let store = support::redis_store(test).await.announce_outcomes();
+    held_past_its_lease_read_with_backoff(Arc::new(store)).await;
+}
+
+/// A waiter that reads a key still held once the lease it was read with ran out looked
+/// at it again every 10 ms until its bound (about a hundred reads a second, each waiter);
+/// now as a store that announces nothing is looked at, from 20 ms doubling to 200 ms.
+async fn held_past_its_lease_read_with_backoff(inner: Arc<dyn Store>) {
+    let skewed = Wrapped::new(inner, HolderClockBehind::default());
+    let store: Arc<dyn Store> = skewed.clone();
+    let handler = Handler::default();
+    let bound = Duration::from_secs(1);
+    let app = router(&handler, layer(&store).wait_for_original(bound));
+    let original = spawn_send(&app, post_waiting("skewed"));
+    until_executing(&handler, 1).await;
+    let before = skewed.hooks.reads.count();
+    let duplicate = send(&app, post("/pay").key("skewed")).await;
+    let reads = skewed.hooks.reads.count() - before;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    assert_eq!(duplicate.error(), "request_in_progress");
+    // 20 + 40 + 80 + 160 ms, then every 200 ms: 8 reads in the bound, the first included.
+    assert!(reads <= 12, "{reads} reads of the key in a 1 s wait");
+    handler.gate.add_permits(1);
+    assert_eq!(original.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(handler.executions(), 1);
 }

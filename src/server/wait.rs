@@ -25,6 +25,10 @@ const LAST_POLL: Duration = Duration::from_millis(200);
 /// How long past the holder's lease a waiter looks again, when nothing was announced: a
 /// holder that crashed has no one to announce the end of its claim.
 const PAST_LEASE: Duration = Duration::from_millis(10);
+// A key still held once the lease it was read with has run out (a store that tells the
+// time left by the holder's clock, running behind this one's: Redis) is looked at again
+// as a store that announces nothing is, from `FIRST_POLL` doubling to `LAST_POLL`, not
+// every `PAST_LEASE`.
 
 /// The requests of one layer waiting for their originals, bounded.
 #[derive(Clone, Default)]
@@ -76,7 +80,8 @@ impl fmt::Debug for Waiters {
 ///
 /// Woken by the store's announcements where it makes them ([`Store::watch`]); a store that
 /// makes none is looked at again every 20 ms, doubling up to 200 ms. Either way the key is
-/// looked at again once the holder's lease would have run out.
+/// looked at again once the holder's lease would have run out, and, while it is still
+/// held past that, as often as a store that makes none.
 pub(crate) async fn for_original<C, F>(
     store: &dyn Store,
     scope: &Scope,
@@ -116,16 +121,21 @@ where
         if now >= deadline {
             return found;
         }
-        let lease_ends = now + lease_remaining + PAST_LEASE;
+        let overdue = lease_remaining.is_zero();
+        let lease_ends = if overdue {
+            now + poll
+        } else {
+            now + lease_remaining + PAST_LEASE
+        };
         match watch.as_mut() {
             Some(watch) => {
                 let woken = tokio::time::timeout_at(deadline.min(lease_ends), watch.announced());
                 announced = woken.await.is_ok();
             }
-            None => {
-                tokio::time::sleep_until(deadline.min(lease_ends).min(now + poll)).await;
-                poll = (poll * 2).min(LAST_POLL);
-            }
+            None => tokio::time::sleep_until(deadline.min(lease_ends).min(now + poll)).await,
+        }
+        if overdue || watch.is_none() {
+            poll = (poll * 2).min(LAST_POLL);
         }
     }
 }
