@@ -291,9 +291,9 @@ pub async fn complete_resent_by_holder_is_applied(store: &dyn Store) {
 }
 
 /// A different completion sent by the holder after its first was applied (the first's reply
-/// lost, the layer then recording a refusal to replay instead) leaves the first as it was,
-/// its TTL included: waiters and replays may have read it already. It may answer either
-/// [`Fenced::Applied`] or [`Fenced::Lost`].
+/// lost, the layer then recording a refusal to replay instead) answers [`Fenced::Lost`]
+/// and leaves the first as it was, its TTL included: waiters and replays may have read it
+/// already.
 pub async fn different_completion_by_holder_leaves_the_first(store: &dyn Store) {
     let case = Case::new("different_completion_by_holder_leaves_the_first", store);
     let scope = case.scope("different");
@@ -303,12 +303,19 @@ pub async fn different_completion_by_holder_leaves_the_first(store: &dyn Store) 
     let step = "the holder's complete";
     holder.complete(step, &first, LONG, Fenced::Applied).await;
     let step = "a different complete by the holder, with another fingerprint and a short TTL";
-    if let Err(error) = store
-        .complete(&scope, holder.token, OTHER, &trailers_response(), SHORT)
-        .await
-    {
-        case.fail(step, format_args!("the complete failed: {error}"));
-    }
+    let other = Writer {
+        fingerprint: OTHER,
+        ..holder
+    };
+    other
+        .complete(step, &trailers_response(), SHORT, Fenced::Lost)
+        .await;
+    let step = "the same response completed again by the holder with another fingerprint";
+    other.complete(step, &first, SHORT, Fenced::Lost).await;
+    let step = "another response completed again by the holder with its fingerprint";
+    holder
+        .complete(step, &trailers_response(), SHORT, Fenced::Lost)
+        .await;
     let step = "a claim after both completions";
     holder.seen_completed(step, &first, LONG, since).await;
 }

@@ -310,7 +310,14 @@ impl Store for MemoryStore {
                     .announce_completed(key, token, completed);
                 Ok(Fenced::Applied)
             }
-            Some(entry) if entry.is_completed_by(token, now) => Ok(Fenced::Applied),
+            // This claim's completion, sent again; a different one finds the claim gone.
+            Some(entry) if entry.is_completed_by(token, now) => Ok(match &entry.record {
+                Record::Completed {
+                    fingerprint: kept,
+                    response: stored,
+                } if *kept == fingerprint && stored == response => Fenced::Applied,
+                _ => Fenced::Lost,
+            }),
             _ => Ok(Fenced::Lost),
         }
     }

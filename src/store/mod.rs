@@ -224,7 +224,10 @@ pub enum Fenced {
 ///                 Fenced::Applied
 ///             }
 ///             // This claim's completion, sent again: it is there already.
-///             Some(Record::Completed { .. }) => Fenced::Applied,
+///             Some(Record::Completed {
+///                 fingerprint: kept,
+///                 response: stored,
+///             }) if kept == fingerprint && stored == *response => Fenced::Applied,
 ///             None => Fenced::Lost,
 ///         })
 ///     }
@@ -293,8 +296,9 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// Completing again with the same token once the record is completed answers
     /// [`Fenced::Applied`] and changes nothing that matters: the layer retries a completion
     /// whose reply was lost. A different completion with that token (a refusal to replay
-    /// the response, recorded where its first write seemed to fail) leaves the completed
-    /// record as it is, and may answer either.
+    /// the response, recorded where its first write seemed to fail) answers
+    /// [`Fenced::Lost`] and leaves the completed record as it is: waiters and replays may
+    /// have read it already.
     async fn complete(
         &self,
         scope: &Scope,

@@ -1053,10 +1053,10 @@ impl Table {
             "{scope} AND status = 'in_progress' AND claim_token = $4 AND locked_until > now()"
         );
         // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms, $10 payload, $11
-        // resource id. A row this token already completed counts as held while it lives, so
-        // a completion whose reply was lost can be retried; once expired (purged or not) it
-        // is gone. Such a row is left as it is: what waiters and replays have read of it
-        // stays true. Completed, and kept for its TTL, from the clock's time, not `now()`:
+        // resource id. A row this token already completed with the same record counts as
+        // held while it lives, so a completion whose reply was lost can be retried; once
+        // expired (purged or not) it is gone. Such a row is left as it is, and one with
+        // another record is not held: what waiters and replays have read of it stays true. Completed, and kept for its TTL, from the clock's time, not `now()`:
         // in the transactional mode the statement runs in the execution's transaction,
         // whose `now()` is when it began, at the claim.
         let set_once = [
@@ -1082,7 +1082,9 @@ impl Table {
 UPDATE {name} SET status = 'completed', locked_until = NULL,
     {set_once}
 WHERE {scope} AND claim_token = $4
-    AND ((status = 'completed' AND expires_at > now()) OR locked_until > now())"
+    AND ((status = 'completed' AND expires_at > now() AND request_hash = $5
+            AND status_code = $6 AND response_headers = $7 AND response_body = $8)
+        OR locked_until > now())"
         );
         // $5 payload.
         let releasing = format!("WITH done AS (\nDELETE FROM {name} WHERE {held}");
