@@ -75,6 +75,7 @@ for_each_store!(
     not_transactional:
     a_record_the_store_refuses_for_good_is_refused_to_every_retry,
     an_outage_past_half_the_lease_still_records_the_response,
+    an_outage_with_one_renewal_through_still_records_the_response,
     an_outage_past_half_the_lease_still_records_a_refusal_to_replay,
     crashed_holder_frees_the_key_after_its_lease,
     stale_holder_cannot_touch_the_new_claim,
@@ -1607,31 +1608,37 @@ async fn the_longest_durations_are_kept(store: Arc<dyn Store>) {
 
 /// What a store in front of another fails: every record past `refuses_over` bytes of body,
 /// however often it is sent (as Redis refuses one past its `proto-max-bulk-len`,
-/// PostgreSQL one past 1 GiB), and every operation for `outage` from the first completion
-/// sent.
-#[derive(Debug)]
+/// PostgreSQL one past 1 GiB), saying it never takes it or not (`refused`), and every
+/// operation while an outage lasts, its windows counted from the first completion sent.
+#[derive(Debug, Default)]
 struct Faulty {
-    refuses_over: usize,
-    outage: Duration,
-    outage_ends: std::sync::Mutex<Option<std::time::Instant>>,
+    refuses_over: Option<usize>,
+    refused: bool,
+    outages: Vec<(Duration, Duration)>,
+    first_completion: std::sync::Mutex<Option<std::time::Instant>>,
+    completions: AtomicUsize,
 }
 
 impl Faulty {
-    fn refusing_over(inner: Arc<dyn Store>, refuses_over: usize) -> Arc<dyn Store> {
-        Self::around(inner, refuses_over, Duration::ZERO)
+    /// Records past 1 000 bytes of body fail, `refused` or not.
+    fn refusing_large_records(refused: bool) -> Self {
+        Self {
+            refuses_over: Some(1000),
+            refused,
+            ..Self::default()
+        }
     }
 
-    fn away_from_first_completion(inner: Arc<dyn Store>, outage: Duration) -> Arc<dyn Store> {
-        Self::around(inner, usize::MAX, outage)
+    /// Away during each window (from, to), counted from the first completion sent.
+    fn away(outages: &[(Duration, Duration)]) -> Self {
+        Self {
+            outages: outages.to_vec(),
+            ..Self::default()
+        }
     }
 
-    fn around(inner: Arc<dyn Store>, refuses_over: usize, outage: Duration) -> Arc<dyn Store> {
-        let faults = Self {
-            refuses_over,
-            outage,
-            outage_ends: Default::default(),
-        };
-        Wrapped::new(inner, faults)
+    fn around(self, inner: Arc<dyn Store>) -> Arc<Wrapped<Self>> {
+        Wrapped::new(inner, self)
     }
 }
 
@@ -1641,25 +1648,43 @@ fn backend_error(what: &str) -> tower_idempotency::store::Error {
 
 impl Hooks for Faulty {
     fn before(&self, operation: Operation<'_>) -> tower_idempotency::store::Result<()> {
-        let mut ends = self.outage_ends.lock().unwrap();
         let now = std::time::Instant::now();
         let completing = matches!(operation, Operation::Complete(_));
-        if completing && ends.is_none() {
-            *ends = Some(now + self.outage);
+        if completing {
+            self.completions.fetch_add(1, Ordering::SeqCst);
         }
-        if matches!(*ends, Some(end) if now < end) {
+        let mut first = self.first_completion.lock().unwrap();
+        if completing && first.is_none() {
+            *first = Some(now);
+        }
+        let away = first.is_some_and(|first| {
+            let since = now - first;
+            let mut windows = self.outages.iter();
+            windows.any(|(from, to)| (*from..*to).contains(&since))
+        });
+        drop(first);
+        if away {
             return Err(backend_error("the store is away"));
         }
         match operation {
-            Operation::Complete(response) if response.body.len() > self.refuses_over => {
-                Err(backend_error("value past the store's limit"))
+            Operation::Complete(response)
+                if self
+                    .refuses_over
+                    .is_some_and(|max| response.body.len() > max) =>
+            {
+                let what = "value past the store's limit";
+                Err(if self.refused {
+                    tower_idempotency::store::Error::Refused(what.into())
+                } else {
+                    backend_error(what)
+                })
             }
             _ => Ok(()),
         }
     }
 }
 
-/// The lease of the [`Faulty`] cases, and the outage past half of it they survive.
+/// The lease of the [`Faulty`] cases, and an outage past half of it.
 const FAULTY_LEASE: Duration = Duration::from_secs(3);
 const PAST_HALF_THE_LEASE: Duration = Duration::from_secs(2);
 
@@ -1669,42 +1694,73 @@ fn not_replayable_201() -> serde_json::Value {
 
 /// The store renews the lease but refuses the record for good: the request was never
 /// answered (its completion retried for as long as the renewed lease lasted, that is for
-/// ever, holding the key); now its client gets its response within the lease, and its
-/// retries a refusal to replay it, never a second execution.
+/// ever, holding the key); now its client gets its response, and its retries a refusal to
+/// replay it, never a second execution. A store that says it never takes the record has
+/// it tried once; one that does not, until it has renewed the lease for a whole lease.
 async fn a_record_the_store_refuses_for_good_is_refused_to_every_retry(store: Arc<dyn Store>) {
-    let store = Faulty::refusing_over(store, 1000);
-    let handler = Handler::default();
-    let app = router(&handler, layer(&store).lease(FAULTY_LEASE));
-    let big = || post("/pay").key("refused").header("x-body-len", "2000");
-    let first = tokio::time::timeout(Duration::from_secs(10), send(&app, big()))
-        .await
-        .expect("answered within its lease, not retried while the lease is renewed");
-    assert_eq!(
-        (first.status, first.body.len()),
-        (StatusCode::CREATED, 2000)
-    );
-    for _ in 0..2 {
-        let retry = send(&app, big()).await;
-        assert_eq!(retry.status, StatusCode::CONFLICT);
-        assert_eq!(retry.json(), not_replayable_201());
+    for refused in [true, false] {
+        let faulty = Faulty::refusing_large_records(refused).around(store.clone());
+        let wrapped: Arc<dyn Store> = faulty.clone();
+        let handler = Handler::default();
+        let app = router(&handler, layer(&wrapped).lease(FAULTY_LEASE));
+        let key = format!("refused-{refused}");
+        let big = || post("/pay").key(&key).header("x-body-len", "2000");
+        let first = tokio::time::timeout(Duration::from_secs(15), send(&app, big()))
+            .await
+            .expect("answered, not retried for as long as the lease is renewed");
+        assert_eq!(
+            (first.status, first.body.len()),
+            (StatusCode::CREATED, 2000)
+        );
+        // The record, then the refusal to replay it.
+        let completions = faulty.hooks.completions.load(Ordering::SeqCst);
+        if refused {
+            assert_eq!(completions, 2);
+        } else {
+            assert!(completions > 2, "{completions}");
+        }
+        for _ in 0..2 {
+            let retry = send(&app, big()).await;
+            assert_eq!(retry.status, StatusCode::CONFLICT);
+            assert_eq!(retry.json(), not_replayable_201());
+        }
+        // A record the store takes is recorded and replayed as ever.
+        let small = format!("small-{refused}");
+        assert!(!send(&app, post("/pay").key(&small)).await.replayed());
+        assert!(send(&app, post("/pay").key(&small)).await.replayed());
+        assert_eq!(handler.executions(), 2);
     }
-    // A record the store takes is recorded and replayed as ever.
-    assert!(!send(&app, post("/pay").key("small")).await.replayed());
-    assert!(send(&app, post("/pay").key("small")).await.replayed());
-    assert_eq!(handler.executions(), 2);
 }
 
 /// An outage from the completion on, longer than half the lease but shorter than it, fails
 /// the renewals too: the record is written once the store is back, not given up for a
 /// refusal to replay as one the store refuses for good would be.
 async fn an_outage_past_half_the_lease_still_records_the_response(store: Arc<dyn Store>) {
-    let store = Faulty::away_from_first_completion(store, PAST_HALF_THE_LEASE);
+    let outage = [(Duration::ZERO, PAST_HALF_THE_LEASE)];
+    outage_still_records_the_response(store, &outage, "outage").await;
+}
+
+/// The same with one renewal let through in the middle of the outage: the write's retries
+/// miss it, and the renewals fail again after it.
+async fn an_outage_with_one_renewal_through_still_records_the_response(store: Arc<dyn Store>) {
+    let ms = Duration::from_millis;
+    let outage = [(Duration::ZERO, ms(900)), (ms(1100), ms(2700))];
+    outage_still_records_the_response(store, &outage, "flapping").await;
+}
+
+async fn outage_still_records_the_response(
+    store: Arc<dyn Store>,
+    outage: &[(Duration, Duration)],
+    key: &str,
+) {
+    let store: Arc<dyn Store> = Faulty::away(outage).around(store);
     let handler = Handler::default();
     let app = router(&handler, layer(&store).lease(FAULTY_LEASE));
-    let first = send(&app, post("/pay").key("outage")).await;
+    let first = send(&app, post("/pay").key(key)).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let retry = send(&app, post("/pay").key("outage")).await;
+    let retry = send(&app, post("/pay").key(key)).await;
     assert!(retry.replayed(), "{:?}: {:?}", retry.status, retry.json());
+    assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(retry.body, first.body);
     assert_eq!(handler.executions(), 1);
 }
@@ -1713,7 +1769,8 @@ async fn an_outage_past_half_the_lease_still_records_the_response(store: Arc<dyn
 /// half the lease must not cost that record: once the lease ran out, a retry would execute
 /// again.
 async fn an_outage_past_half_the_lease_still_records_a_refusal_to_replay(store: Arc<dyn Store>) {
-    let store = Faulty::away_from_first_completion(store, PAST_HALF_THE_LEASE);
+    let outage = [(Duration::ZERO, PAST_HALF_THE_LEASE)];
+    let store: Arc<dyn Store> = Faulty::away(&outage).around(store);
     let handler = Handler::default();
     let layer = layer(&store).lease(FAULTY_LEASE).max_response_body(1000);
     let app = router(&handler, layer);

@@ -37,10 +37,46 @@ pub(crate) enum Completed {
     /// Not written: the claim was lost, or the store failed every attempt until the lease
     /// ran out.
     NotRecorded,
-    /// The store failed this one write for half a lease while it applied the lease's
-    /// renewals: it refuses the record for good (one past its size limit), and the key is
+    /// The store refuses the record for good (one past its size limit): it said so, or it
+    /// failed this one write for a whole lease while it applied every renewal. The key is
     /// still this request's.
     Refused,
+}
+
+/// What the store made of a claim's renewals: when the last one it applied was sent (the
+/// claim's own, at first), and the last one it failed.
+#[derive(Clone, Copy)]
+struct Renewals {
+    applied: Instant,
+    failed: Option<Instant>,
+}
+
+/// Since when, as far as a write's retries have seen, the store has applied every renewal
+/// of the claim while it failed the write.
+#[derive(Default)]
+struct Answering {
+    /// The renewal failure last seen, and the renewal applied first after it.
+    streak: Option<(Option<Instant>, Instant)>,
+}
+
+impl Answering {
+    /// Updated with `renewals`, for a write that first failed at `failed_at`: `None` while
+    /// no renewal has been applied since both that and the last renewal that failed.
+    fn since(&mut self, renewals: Renewals, failed_at: Instant) -> Option<Instant> {
+        let quiet_from = renewals
+            .failed
+            .map_or(failed_at, |failed| failed.max(failed_at));
+        if renewals.applied <= quiet_from {
+            self.streak = None;
+            return None;
+        }
+        let since = match self.streak {
+            Some((failed, since)) if failed == renewals.failed => since,
+            _ => renewals.applied,
+        };
+        self.streak = Some((renewals.failed, since));
+        Some(since)
+    }
 }
 
 /// A write after the handler that was given up.
@@ -78,7 +114,10 @@ pub(crate) async fn claim(
 /// key for a lease. One the store could not take needs no release, and during an outage
 /// sending one would only double the failed attempts.
 fn settled(claim: &store::Result<Claim>) -> bool {
-    matches!(claim, Ok(_) | Err(store::Error::Unavailable(_)))
+    matches!(
+        claim,
+        Ok(_) | Err(store::Error::Unavailable(_) | store::Error::Refused(_))
+    )
 }
 
 /// A key this request claimed, with what it takes to write to it. Counted among the
@@ -87,9 +126,9 @@ pub(crate) struct Lease {
     shared: Arc<Shared>,
     scope: Scope,
     token: ClaimToken,
-    /// When the last claim or renewal that the store applied was sent: the lease runs
-    /// until at least this plus the lease.
-    renewed: Mutex<Instant>,
+    /// When the last claim or renewal that the store applied was sent (the lease runs until
+    /// at least this plus the lease), and the last renewal it failed.
+    renewals: Mutex<Renewals>,
 }
 
 impl Lease {
@@ -106,7 +145,10 @@ impl Lease {
             shared,
             scope,
             token,
-            renewed: Mutex::new(claimed_at),
+            renewals: Mutex::new(Renewals {
+                applied: claimed_at,
+                failed: None,
+            }),
         }
     }
 
@@ -154,16 +196,17 @@ impl Lease {
                 .meters
                 .stored(Operation::Extend, sent, &extended);
             match extended {
-                Ok(Fenced::Applied) => {
-                    *self.renewed.lock().unwrap_or_else(PoisonError::into_inner) = sent;
-                }
+                Ok(Fenced::Applied) => self.renewals_mut(|renewals| renewals.applied = sent),
                 Ok(Fenced::Lost) => {
                     self.warn(
                         "lease lost while the handler ran: another request may execute this key",
                     );
                     return std::future::pending().await;
                 }
-                Err(error) => tracing::warn!(%error, "could not renew the idempotency lease"),
+                Err(error) => {
+                    self.renewals_mut(|renewals| renewals.failed = Some(sent));
+                    tracing::warn!(%error, "could not renew the idempotency lease");
+                }
             }
         }
     }
@@ -178,10 +221,12 @@ impl Lease {
     /// attempt is timed from `started`, a reading its caller took anyway.
     ///
     /// A `refusable` write (a response's own record, outside the transactional mode) is
-    /// given up half a lease after the store first applied a renewal while failing it: a
-    /// store that takes the renewals but refuses this write however often it is sent would
-    /// otherwise keep it retried, and the key held, for ever. An outage, which fails the
-    /// renewals too, keeps the lease as the only bound.
+    /// given up as refused when the store says it never takes it ([`store::Error::Refused`]),
+    /// or once the store has applied every renewal for a whole lease while it failed the
+    /// write: a store that takes everything but this record, however often it is sent,
+    /// would otherwise keep it retried, and the key held, for ever. An outage fails the
+    /// renewals too, and a failed renewal starts that count again: the lease stays the only
+    /// bound there.
     async fn write_until_settled<'a, F>(
         &'a self,
         operation: Operation,
@@ -200,31 +245,34 @@ impl Lease {
             Ok(fenced) => return Ok(fenced),
             Err(error) => error,
         };
+        let refusable = refusable && !self.shared.store.commits_handler_writes();
+        if refusable && matches!(first, store::Error::Refused(_)) {
+            return Err(Unwritten {
+                error: first,
+                refused: true,
+            });
+        }
         let retries = async {
-            let shared = &self.shared;
-            let refused_after = (refusable && !shared.store.commits_handler_writes())
-                .then(|| shared.config.lease / 2);
+            let lease = self.shared.config.lease;
             let failed_at = Instant::now();
-            let mut answering_since = None;
+            let mut answering = Answering::default();
             let mut error = first;
             let mut backoff = WRITE_RETRY_FIRST;
             loop {
                 let next = Instant::now() + backoff;
-                let renewed = self.renewed_at();
-                if next >= renewed + self.shared.config.lease {
+                let renewals = self.renewals();
+                if next >= renewals.applied + lease {
                     return Err(Unwritten {
                         error,
                         refused: false,
                     });
                 }
-                if let Some(budget) = refused_after.filter(|_| renewed > failed_at) {
-                    let since = *answering_since.get_or_insert(renewed);
-                    if next >= since + budget {
-                        return Err(Unwritten {
-                            error,
-                            refused: true,
-                        });
-                    }
+                let answered_for = answering.since(renewals, failed_at);
+                if refusable && answered_for.is_some_and(|since| next >= since + lease) {
+                    return Err(Unwritten {
+                        error,
+                        refused: true,
+                    });
                 }
                 tracing::warn!(
                     %error, retry_in = ?backoff,
@@ -239,6 +287,12 @@ impl Lease {
                     Ok(fenced) => return Ok(fenced),
                     Err(error) => error,
                 };
+                if refusable && matches!(error, store::Error::Refused(_)) {
+                    return Err(Unwritten {
+                        error,
+                        refused: true,
+                    });
+                }
             }
         };
         // Boxed: kept in place, this rare path (a timer, the renewals) would make every
@@ -246,9 +300,12 @@ impl Lease {
         Box::pin(self.renew_while(retries, Instant::now())).await
     }
 
-    /// When the last claim or renewal the store applied was sent.
-    fn renewed_at(&self) -> Instant {
-        *self.renewed.lock().unwrap_or_else(PoisonError::into_inner)
+    fn renewals(&self) -> Renewals {
+        *self.renewals.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn renewals_mut(&self, change: impl FnOnce(&mut Renewals)) {
+        change(&mut self.renewals.lock().unwrap_or_else(PoisonError::into_inner));
     }
 
     /// Gives the key back, so that a retry executes again; counted as released.
@@ -341,43 +398,18 @@ impl Lease {
     /// Records `refusal` (a `409 response_not_replayable`) under `fingerprint` where the
     /// store refused the response's own record ([`Completed::Refused`]), so that no retry
     /// executes again: whether it was recorded. A record already there (the response's,
-    /// its write applied though its answer was lost) is left as it is.
+    /// an attempt applied though its answer was lost) is left as it is: the store answers
+    /// that the claim is gone.
     pub(crate) async fn record_refusal(
         &self,
         fingerprint: Fingerprint,
         refusal: &StoredResponse,
     ) -> bool {
-        let (shared, lease) = (&self.shared, self.shared.config.lease);
-        let sent = Instant::now();
-        // Sent with this claim's token, the claim reads the key: it leaves a claim of
-        // this token as it is, and takes the key only if it is free.
-        let read = shared
-            .store
-            .claim_with_token(&self.scope, fingerprint, self.token, lease)
-            .await;
-        shared.state.meters.stored(Operation::Claim, sent, &read);
-        match read {
-            Ok(Claim::Completed { .. }) => {
-                self.warn("the response's record was written after all: it is replayed");
-                return false;
-            }
-            Ok(Claim::InProgress {
-                fingerprint: holder,
-                ..
-            }) if holder != fingerprint => {
-                self.warn("claim lost before the response was recorded: it will not be replayed");
-                return false;
-            }
-            _ => {}
-        }
+        let shared = &self.shared;
+        let (scope, token, ttl) = (&self.scope, self.token, shared.config.ttl);
         let complete = || {
-            shared.store.complete(
-                &self.scope,
-                self.token,
-                fingerprint,
-                refusal,
-                shared.config.ttl,
-            )
+            let store = &shared.store;
+            store.complete(scope, token, fingerprint, refusal, ttl)
         };
         let written = self
             .write_until_settled(Operation::Complete, complete, Instant::now(), false)
@@ -387,9 +419,9 @@ impl Lease {
                 self.warn("recorded that the response cannot be replayed: retries get 409 response_not_replayable");
                 return true;
             }
-            Ok(Fenced::Lost) => {
-                self.warn("claim lost before the response was recorded: it will not be replayed")
-            }
+            Ok(Fenced::Lost) => self.warn(
+                "could not record that the response cannot be replayed: the claim was lost, or the response's own record was written after all",
+            ),
             Err(Unwritten { error, .. }) => tracing::error!(
                 %error,
                 "could not record that the response cannot be replayed within the lease: a retry after the lease runs out executes again"

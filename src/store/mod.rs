@@ -49,6 +49,13 @@ pub enum Error {
     /// pool, a full memory store): it changed nothing.
     #[error("idempotency store unavailable: {0}")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// The store will never take the operation as sent (a record past the largest value
+    /// its backend takes): it changed nothing, and sending it again changes nothing
+    /// either. The layer then records a refusal to replay the response instead
+    /// (`409 response_not_replayable`), as for one over its `max_response_body`, rather
+    /// than retrying the record for as long as the lease lasts.
+    #[error("idempotency store refused: {0}")]
+    Refused(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
     /// A stored record could not be decoded.
     #[error(transparent)]
     Decode(#[from] record::DecodeError),
