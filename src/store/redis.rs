@@ -9,6 +9,7 @@ mod signed;
 mod subscriber;
 
 use std::{
+    collections::HashMap,
     fmt,
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -197,6 +198,8 @@ impl Lua {
 
 /// Redis's default `proto-max-bulk-len`: the largest value it takes in one argument.
 const DEFAULT_MAX_VALUE_LEN: usize = 512 * 1024 * 1024;
+/// The least `proto-max-bulk-len` Redis may be set to: a shorter value is always taken.
+const LEAST_MAX_VALUE_LEN: usize = 1024 * 1024;
 
 /// Defaults for the connection made by [`RedisStore::open`]: a request waits at most this
 /// long for Redis before the layer answers `503` (fail closed).
@@ -273,6 +276,9 @@ pub struct RedisStore {
     /// The largest value the server takes in one argument ([`RedisStore::max_value_len`]),
     /// lowered when the server refuses a longer one.
     max_value_len: Arc<AtomicUsize>,
+    /// Whether the server has been asked its `proto-max-bulk-len`, or need not be (set by
+    /// [`RedisStore::max_value_len`]).
+    value_limit_asked: Arc<AtomicBool>,
 }
 
 /// Where the commands go, batched into pipelines.
@@ -455,6 +461,7 @@ impl RedisStore {
             signer: None,
             database: 0,
             max_value_len: Arc::new(AtomicUsize::new(DEFAULT_MAX_VALUE_LEN)),
+            value_limit_asked: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -735,14 +742,16 @@ impl RedisStore {
 
     /// The largest value the server takes in one command argument: its
     /// `proto-max-bulk-len`, 512 MiB (the default) unless lowered. A completion whose record
-    /// is larger fails without being sent ([`RedisStoreError::ValueTooLarge`]): sent, Redis
-    /// answers with a protocol error and closes the connection, failing the commands of
-    /// every request that shared it, the lease's renewals included. The layer, whose
-    /// renewals the store still applies, then records a refusal to replay the response
-    /// instead (`409 response_not_replayable`), as for one over its `max_response_body`.
-    /// Where the server's limit is lower than this, the first record past it is sent and
-    /// refused, and the store keeps to that length from then on (logged once per
-    /// length). Default: 512 MiB.
+    /// is larger is refused without being sent ([`Error::Refused`] with
+    /// [`RedisStoreError::ValueTooLarge`]): sent, Redis answers with a protocol error and
+    /// closes the connection, failing the commands of every request that shared it, the
+    /// lease's renewals included. The layer then records a refusal to replay the response
+    /// at once (`409 response_not_replayable`), as for one over its `max_response_body`.
+    /// Unless this is set, the store asks the server its `proto-max-bulk-len` (`CONFIG
+    /// GET`) before the first record past 1 MiB, the least Redis may be set to; where it
+    /// cannot ask (a user without the right, a managed service that hides `CONFIG`) and
+    /// the server's limit is lower, the first record past it is sent and refused, and the
+    /// store keeps below that length from then on. Default: 512 MiB.
     ///
     /// # Panics
     ///
@@ -766,6 +775,7 @@ impl RedisStore {
             "RedisStore::max_value_len must be more than zero: no record could be written"
         );
         self.max_value_len = Arc::new(AtomicUsize::new(bytes));
+        self.value_limit_asked = Arc::new(AtomicBool::new(true));
         self
     }
 
@@ -859,6 +869,26 @@ impl RedisStore {
             reply: fenced(applied.reply),
             unacknowledged: applied.unacknowledged,
         })
+    }
+
+    /// Asks the server that holds `key` its `proto-max-bulk-len`, once: a value past it
+    /// would close the connection. A server that does not answer leaves the default.
+    #[cold]
+    async fn ask_value_limit(&self, key: &str) {
+        let mut ask = redis::cmd("CONFIG");
+        ask.arg("GET").arg("proto-max-bulk-len");
+        let asked = self.query::<HashMap<String, u64>>(ask, key, Unawaited::Skip, false);
+        match asked.await.map(|answer| answer.reply.into_values().next()) {
+            Ok(Some(limit)) => {
+                let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+                self.max_value_len.fetch_min(limit, Ordering::Relaxed);
+            }
+            Ok(None) => {}
+            Err(error) => tracing::debug!(
+                %error,
+                "could not ask Redis its proto-max-bulk-len: taking 512 MiB (RedisStore::max_value_len)"
+            ),
+        }
     }
 
     /// Keeps below `len` from now on when the server refused a value of that length as past
@@ -1148,10 +1178,14 @@ impl Store for RedisStore {
     ) -> Result<Fenced> {
         // The value as Redis stores it, so that the script sets it without concatenating.
         let len = 1 + completed_len(response) + DEADLINE_LEN;
+        let key = self.redis_key(scope);
+        if len > LEAST_MAX_VALUE_LEN && !self.value_limit_asked.swap(true, Ordering::Relaxed) {
+            self.ask_value_limit(&key).await;
+        }
         let max = self.max_value_len.load(Ordering::Relaxed);
         if len > max {
             let too_large = RedisStoreError::ValueTooLarge { len, max };
-            return Err(Error::Unavailable(Box::new(too_large)));
+            return Err(Error::Refused(Box::new(too_large)));
         }
         let mut value = BytesMut::with_capacity(len);
         value.put_u8(WITH_EXPIRY);
@@ -1164,7 +1198,6 @@ impl Store for RedisStore {
             (true, Commands::Node(_)) => &*COMPLETE_ANNOUNCED,
             (true, Commands::Cluster(_)) => &*COMPLETE_SHARD_ANNOUNCED,
         };
-        let key = self.redis_key(scope);
         let channel = self.announce.then(|| channel::of(&key));
         let ending = channel
             .as_deref()
