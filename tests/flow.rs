@@ -74,6 +74,7 @@ for_each_store!(
     key_reused_with_other_parameters_conflicts;
     not_transactional:
     a_record_the_store_refuses_for_good_is_refused_to_every_retry,
+    a_store_that_refuses_every_record_never_holds_the_request,
     an_outage_past_half_the_lease_still_records_the_response,
     an_outage_with_one_renewal_through_still_records_the_response,
     an_outage_past_half_the_lease_still_records_a_refusal_to_replay,
@@ -1729,6 +1730,39 @@ async fn a_record_the_store_refuses_for_good_is_refused_to_every_retry(store: Ar
         assert!(!send(&app, post("/pay").key(&small)).await.replayed());
         assert!(send(&app, post("/pay").key(&small)).await.replayed());
         assert_eq!(handler.executions(), 2);
+    }
+}
+
+/// A store that refuses the refusal to replay too (every record past 10 bytes, saying so):
+/// the refusal was retried, the lease renewed, for ever; now the client gets its response,
+/// the store having been sent the record and the refusal once each. (The key then frees
+/// itself as the lease runs out, as after a crash: nothing else can be recorded.) The same
+/// for a response over `max_response_body`, whose record is the refusal.
+async fn a_store_that_refuses_every_record_never_holds_the_request(store: Arc<dyn Store>) {
+    for (max_response_body, completions) in [(1 << 20, 2), (1000, 1)] {
+        let faults = Faulty {
+            refuses_over: Some(10),
+            refused: true,
+            ..Faulty::default()
+        };
+        let faulty = faults.around(store.clone());
+        let wrapped: Arc<dyn Store> = faulty.clone();
+        let handler = Handler::default();
+        let layer = layer(&wrapped)
+            .lease(FAULTY_LEASE)
+            .max_response_body(max_response_body);
+        let app = router(&handler, layer);
+        let key = format!("all-refused-{completions}");
+        let big = post("/pay").key(&key).header("x-body-len", "2000");
+        let first = tokio::time::timeout(Duration::from_secs(15), send(&app, big))
+            .await
+            .expect("answered, not retried for as long as the lease is renewed");
+        assert_eq!(
+            (first.status, first.body.len()),
+            (StatusCode::CREATED, 2000)
+        );
+        let sent = faulty.hooks.completions.load(Ordering::SeqCst);
+        assert_eq!(sent, completions);
     }
 }
 

@@ -220,13 +220,13 @@ impl Lease {
     /// may be another request's, and the fence would refuse the write anyway. The first
     /// attempt is timed from `started`, a reading its caller took anyway.
     ///
-    /// A `refusable` write (a response's own record, outside the transactional mode) is
-    /// given up as refused when the store says it never takes it ([`store::Error::Refused`]),
-    /// or once the store has applied every renewal for a whole lease while it failed the
-    /// write: a store that takes everything but this record, however often it is sent,
-    /// would otherwise keep it retried, and the key held, for ever. An outage fails the
-    /// renewals too, and a failed renewal starts that count again: the lease stays the only
-    /// bound there.
+    /// A write the store says it never takes ([`store::Error::Refused`]) is given up at
+    /// once. A `refusable` one (a response's own record, outside the transactional mode)
+    /// is given up as refused too once the store has applied every renewal for a whole
+    /// lease while it failed the write: a store that takes everything but this record,
+    /// however often it is sent, would otherwise keep it retried, and the key held, for
+    /// ever. An outage fails the renewals too, and a failed renewal starts that count
+    /// again: the lease stays the only bound there.
     async fn write_until_settled<'a, F>(
         &'a self,
         operation: Operation,
@@ -245,13 +245,15 @@ impl Lease {
             Ok(fenced) => return Ok(fenced),
             Err(error) => error,
         };
-        let refusable = refusable && !self.shared.store.commits_handler_writes();
-        if refusable && matches!(first, store::Error::Refused(_)) {
+        // Sent again, a write the store refuses would be refused again, for as long as the
+        // renewals hold the key.
+        if let store::Error::Refused(_) = first {
             return Err(Unwritten {
                 error: first,
                 refused: true,
             });
         }
+        let refusable = refusable && !self.shared.store.commits_handler_writes();
         let retries = async {
             let lease = self.shared.config.lease;
             let failed_at = Instant::now();
@@ -287,7 +289,7 @@ impl Lease {
                     Ok(fenced) => return Ok(fenced),
                     Err(error) => error,
                 };
-                if refusable && matches!(error, store::Error::Refused(_)) {
+                if let store::Error::Refused(_) = error {
                     return Err(Unwritten {
                         error,
                         refused: true,
@@ -355,10 +357,10 @@ impl Lease {
             Err(Unwritten {
                 error,
                 refused: true,
-            }) => {
+            }) if refusable && !shared.store.commits_handler_writes() => {
                 tracing::error!(
                     %error,
-                    "the store takes the lease's renewals but refuses the response's record: recording that it cannot be replayed"
+                    "the store refuses the response's record for good: recording that it cannot be replayed"
                 );
                 return Completed::Refused;
             }
@@ -368,6 +370,13 @@ impl Lease {
                     "could not commit the response's record, nor the handler's writes with it: answering 503, and a retry executes again"
                 )
             }
+            Err(Unwritten {
+                error,
+                refused: true,
+            }) => tracing::error!(
+                %error,
+                "the store refuses the record for good: a retry after the lease runs out executes again"
+            ),
             Err(Unwritten { error, .. }) => tracing::error!(
                 %error,
                 "could not record the response within the lease: a retry after the lease runs out executes again"
@@ -424,7 +433,7 @@ impl Lease {
             ),
             Err(Unwritten { error, .. }) => tracing::error!(
                 %error,
-                "could not record that the response cannot be replayed within the lease: a retry after the lease runs out executes again"
+                "could not record that the response cannot be replayed: a retry after the lease runs out executes again"
             ),
         }
         false

@@ -235,7 +235,8 @@ pub enum Fenced {
 ///                 fingerprint: kept,
 ///                 response: stored,
 ///             }) if kept == fingerprint && stored == *response => Fenced::Applied,
-///             None => Fenced::Lost,
+///             // Another completion, or no claim of this token.
+///             _ => Fenced::Lost,
 ///         })
 ///     }
 ///
