@@ -1230,3 +1230,104 @@ async fn past_the_value_limit(how: LimitKnown) {
     assert!(send(&app, within()).await.replayed());
     assert_eq!(handler.executions(), 2);
 }
+
+/// A response of `len` bytes of body.
+fn big_response(len: usize) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: HeaderMap::new(),
+        body: Bytes::from(vec![b'x'; len]),
+        trailers: None,
+    }
+}
+
+/// Two first records past the server's value limit at once, with replicas to wait for
+/// (whose `WAIT` behind a record hides Redis's refusal of it): the second did not wait for
+/// the question the first asked, was sent, and closed the connection the question was on;
+/// the store never asked again, and every later record was sent again.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn concurrent_first_records_past_the_value_limit_are_both_refused_unsent() {
+    let server = RedisServer::start();
+    server.cli(&["CONFIG", "SET", "proto-max-bulk-len", "1mb"]);
+    let store = RedisStore::open(&server.url()).await.unwrap();
+    let store = store
+        .replicas(1, Duration::from_millis(50))
+        .replicas_best_effort();
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let big = big_response(2_000_000);
+    let mut claims = Vec::new();
+    for key in ["race-1", "race-2", "race-3"] {
+        match store
+            .claim(&scope(key), fingerprint(7), lease)
+            .await
+            .unwrap()
+        {
+            Claim::Claimed(token) => claims.push((scope(key), token)),
+            other => panic!("{other:?}"),
+        }
+    }
+    let [(s1, t1), (s2, t2), (s3, t3)] = &claims[..] else {
+        unreachable!()
+    };
+    let (first, second) = tokio::join!(
+        store.complete(s1, *t1, fingerprint(7), &big, ttl),
+        store.complete(s2, *t2, fingerprint(7), &big, ttl)
+    );
+    for completed in [first, second] {
+        assert!(
+            matches!(completed, Err(tower_idempotency::store::Error::Refused(_))),
+            "{completed:?}; {store:?}"
+        );
+    }
+    let later = store.complete(s3, *t3, fingerprint(7), &big, ttl).await;
+    assert!(matches!(
+        later,
+        Err(tower_idempotency::store::Error::Refused(_))
+    ));
+    // The connection was never closed: a small record goes through it as ever.
+    let small = binary_response();
+    let completed = store.complete(s3, *t3, fingerprint(7), &small, ttl).await;
+    assert_eq!(completed.unwrap(), Fenced::Applied);
+}
+
+/// A question about the value limit that goes unanswered (the server paused past the
+/// store's timeout) fails the record with nothing sent, and the next record asks again: it
+/// was taken as answered, and every record past the limit was sent from then on.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn an_unanswered_question_about_the_value_limit_is_asked_again() {
+    let server = RedisServer::start();
+    server.cli(&["CONFIG", "SET", "proto-max-bulk-len", "1mb"]);
+    let store = RedisStore::open(&server.url()).await.unwrap();
+    let store = store.timeout(Duration::from_millis(300));
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let Claim::Claimed(token) = store
+        .claim(&scope("asked-again"), fingerprint(7), lease)
+        .await
+        .unwrap()
+    else {
+        panic!("claimed")
+    };
+    let big = big_response(2_000_000);
+    server.cli(&["CLIENT", "PAUSE", "1000", "ALL"]);
+    let unanswered = store
+        .complete(&scope("asked-again"), token, fingerprint(7), &big, ttl)
+        .await;
+    assert!(
+        matches!(
+            unanswered,
+            Err(tower_idempotency::store::Error::Unavailable(_))
+        ),
+        "{unanswered:?}"
+    );
+    sleep(Duration::from_millis(1200)).await;
+    let asked = store
+        .complete(&scope("asked-again"), token, fingerprint(7), &big, ttl)
+        .await;
+    assert!(
+        matches!(asked, Err(tower_idempotency::store::Error::Refused(_))),
+        "{asked:?}; {store:?}"
+    );
+    assert!(format!("{store:?}").contains("max_value_len: 1048576"));
+}

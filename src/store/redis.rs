@@ -27,6 +27,7 @@ use redis::{
     sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType},
     Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, Script, ServerErrorKind,
 };
+use tokio::sync::OnceCell;
 
 use self::{
     auto_pipeline::{AutoPipeline, Unawaited},
@@ -276,9 +277,9 @@ pub struct RedisStore {
     /// The largest value the server takes in one argument ([`RedisStore::max_value_len`]),
     /// lowered when the server refuses a longer one.
     max_value_len: Arc<AtomicUsize>,
-    /// Whether the server has been asked its `proto-max-bulk-len`, or need not be (set by
-    /// [`RedisStore::max_value_len`]).
-    value_limit_asked: Arc<AtomicBool>,
+    /// Set once the server has answered what its `proto-max-bulk-len` is (or that it will
+    /// not say), or when it need not be asked ([`RedisStore::max_value_len`]).
+    value_limit_known: Arc<OnceCell<()>>,
 }
 
 /// Where the commands go, batched into pipelines.
@@ -461,7 +462,7 @@ impl RedisStore {
             signer: None,
             database: 0,
             max_value_len: Arc::new(AtomicUsize::new(DEFAULT_MAX_VALUE_LEN)),
-            value_limit_asked: Arc::new(AtomicBool::new(false)),
+            value_limit_known: Arc::new(OnceCell::new()),
         }
     }
 
@@ -748,10 +749,14 @@ impl RedisStore {
     /// lease's renewals included. The layer then records a refusal to replay the response
     /// at once (`409 response_not_replayable`), as for one over its `max_response_body`.
     /// Unless this is set, the store asks the server its `proto-max-bulk-len` (`CONFIG
-    /// GET`) before the first record past 1 MiB, the least Redis may be set to; where it
-    /// cannot ask (a user without the right, a managed service that hides `CONFIG`) and
-    /// the server's limit is lower, the first record past it is sent and refused, and the
-    /// store keeps below that length from then on. Default: 512 MiB.
+    /// GET`, on the node that holds the key) before the first record past 1 MiB, the least
+    /// Redis may be set to; records wait for that one question, and one left unanswered
+    /// fails with nothing sent, to be asked again by the next. Where the server will not
+    /// say (a user without the right, a managed service that hides `CONFIG`; logged) and
+    /// its limit is lower, the first record past it is sent and refused, and the store
+    /// keeps below that length from then on; with [`replicas`](Self::replicas), whose
+    /// `WAIT` hides the refusal, every such record is sent: set this there. Default:
+    /// 512 MiB.
     ///
     /// # Panics
     ///
@@ -775,7 +780,7 @@ impl RedisStore {
             "RedisStore::max_value_len must be more than zero: no record could be written"
         );
         self.max_value_len = Arc::new(AtomicUsize::new(bytes));
-        self.value_limit_asked = Arc::new(AtomicBool::new(true));
+        self.value_limit_known = Arc::new(OnceCell::from(()));
         self
     }
 
@@ -871,24 +876,35 @@ impl RedisStore {
         })
     }
 
-    /// Asks the server that holds `key` its `proto-max-bulk-len`, once: a value past it
-    /// would close the connection. A server that does not answer leaves the default.
-    #[cold]
-    async fn ask_value_limit(&self, key: &str) {
-        let mut ask = redis::cmd("CONFIG");
-        ask.arg("GET").arg("proto-max-bulk-len");
-        let asked = self.query::<HashMap<String, u64>>(ask, key, Unawaited::Skip, false);
-        match asked.await.map(|answer| answer.reply.into_values().next()) {
-            Ok(Some(limit)) => {
-                let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-                self.max_value_len.fetch_min(limit, Ordering::Relaxed);
+    /// Asks the server that holds `key` its `proto-max-bulk-len`, before the first record
+    /// that could be past it: sent, such a record closes the connection. Records wait for
+    /// the one question in flight; one that goes unanswered (a timeout, a dropped
+    /// connection) fails with nothing sent, and the next record asks again. A server that
+    /// answers that it will not say (no right to `CONFIG`, a managed service that hides
+    /// it) leaves the default, and the store learns from a refusal where it can.
+    async fn know_value_limit(&self, key: &str) -> Result<()> {
+        let known = self.value_limit_known.get_or_try_init(|| async {
+            let mut ask = redis::cmd("CONFIG");
+            ask.arg("GET").arg("proto-max-bulk-len");
+            let asked = self.query::<HashMap<String, u64>>(ask, key, Unawaited::Skip, false);
+            match asked.await.map(|answer| answer.reply.into_values().next()) {
+                Ok(Some(limit)) => {
+                    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+                    self.max_value_len.fetch_min(limit, Ordering::Relaxed);
+                    Ok(())
+                }
+                Ok(None) => Ok(()),
+                Err(error) if matches!(error.kind(), ErrorKind::Server(_)) => {
+                    tracing::warn!(
+                        %error,
+                        "Redis would not say its proto-max-bulk-len: a record past it closes the connection until one is refused, or, with replicas to wait for, each time (set RedisStore::max_value_len)"
+                    );
+                    Ok(())
+                }
+                Err(error) => Err(Error::Unavailable(Box::new(RedisStoreError::Redis(error)))),
             }
-            Ok(None) => {}
-            Err(error) => tracing::debug!(
-                %error,
-                "could not ask Redis its proto-max-bulk-len: taking 512 MiB (RedisStore::max_value_len)"
-            ),
-        }
+        });
+        known.await.copied()
     }
 
     /// Keeps below `len` from now on when the server refused a value of that length as past
@@ -1179,8 +1195,8 @@ impl Store for RedisStore {
         // The value as Redis stores it, so that the script sets it without concatenating.
         let len = 1 + completed_len(response) + DEADLINE_LEN;
         let key = self.redis_key(scope);
-        if len > LEAST_MAX_VALUE_LEN && !self.value_limit_asked.swap(true, Ordering::Relaxed) {
-            self.ask_value_limit(&key).await;
+        if len > LEAST_MAX_VALUE_LEN {
+            Box::pin(self.know_value_limit(&key)).await?;
         }
         let max = self.max_value_len.load(Ordering::Relaxed);
         if len > max {
