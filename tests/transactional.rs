@@ -20,7 +20,10 @@ use axum::{
     Json, Router,
 };
 use support::app::{post as request, send, Answer};
-use support::Driver;
+use support::{
+    wrapped_store::{Hooks, Operation, Wrapped},
+    Driver,
+};
 use tokio::sync::Semaphore;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_idempotency::{
@@ -118,6 +121,7 @@ on_both_drivers!(
     counted_replays_are_committed,
     a_duplicate_that_waits_gets_the_originals_answer,
     a_duplicate_that_waits_is_woken_by_a_notification,
+    a_completion_the_store_refuses_rolls_back_at_once,
 );
 
 /// What the test handler does in its transaction, on either driver.
@@ -719,4 +723,55 @@ async fn sqlx_a_nested_begin_is_a_savepoint_a_release_rolls_back() {
         .await
         .assert_executed();
     assert_eq!(rows().await, 1);
+}
+
+/// Refuses every completion for good while `refusing` is set (`store::Error::Refused`,
+/// nothing sent), as a store in front that limits a record's size would.
+#[derive(Debug)]
+struct RefusesCompletions {
+    refusing: std::sync::atomic::AtomicBool,
+}
+
+impl Hooks for RefusesCompletions {
+    fn before(&self, operation: Operation<'_>) -> tower_idempotency::store::Result<()> {
+        match operation {
+            Operation::Complete(_) if self.refusing.load(Ordering::SeqCst) => Err(
+                tower_idempotency::store::Error::Refused("past this store's limit".into()),
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A completion refused for good answers 503 at once; the execution's transaction, which
+/// the refused completion never reached, is rolled back with it: it stayed open, holding
+/// the key (every retry got 409 in progress), the handler's writes and a connection.
+async fn a_completion_the_store_refuses_rolls_back_at_once(driver: Driver) {
+    let service = Service::new(driver).await;
+    let refusing = RefusesCompletions {
+        refusing: true.into(),
+    };
+    let wrapped = Wrapped::new(Arc::new(service.store.clone()), refusing);
+    let route = match driver {
+        Driver::TokioPostgres => post(create_order::<PostgresTransaction>),
+        Driver::Sqlx => post(create_order::<SqlxTransaction>),
+    };
+    let layer = IdempotencyLayer::from_shared(wrapped.clone())
+        .allow_anonymous()
+        .lease(Duration::from_secs(60));
+    let app = Router::new()
+        .route("/orders", route.layer(layer))
+        .with_state(service.orders.clone());
+    let order = || request("/orders").key("refused").body("{}");
+    let first = tokio::time::timeout(Duration::from_secs(10), send(&app, order()))
+        .await
+        .expect("answered at once");
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(service.store.open_transactions(), 0);
+    assert_eq!(service.rows().await, 0);
+    // The key is free at once, well within the lease: the retry executes.
+    wrapped.hooks.refusing.store(false, Ordering::SeqCst);
+    let retry = send(&app, order()).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(service.rows().await, 1);
 }

@@ -364,11 +364,19 @@ impl Lease {
                 );
                 return Completed::Refused;
             }
-            Err(Unwritten { error, .. }) if shared.store.commits_handler_writes() => {
+            Err(Unwritten { error, refused }) if shared.store.commits_handler_writes() => {
                 tracing::error!(
                     %error,
                     "could not commit the response's record, nor the handler's writes with it: answering 503, and a retry executes again"
-                )
+                );
+                if refused {
+                    // Refused, the completion changed nothing: the transaction is still
+                    // open, with the handler's writes and the key. (A commit that failed
+                    // has ended it already.)
+                    if let Err(error) = self.give_back().await {
+                        tracing::error!(%error, "could not roll back the refused execution's transaction");
+                    }
+                }
             }
             Err(Unwritten {
                 error,

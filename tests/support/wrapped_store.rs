@@ -114,4 +114,12 @@ impl<H: Hooks> Store for Wrapped<H> {
     async fn watch(&self, scope: &Scope) -> Result<Option<Watch>> {
         self.inner.watch(scope).await
     }
+
+    fn hand_over(&self, token: ClaimToken, extensions: &mut http::Extensions) {
+        self.inner.hand_over(token, extensions);
+    }
+
+    fn commits_handler_writes(&self) -> bool {
+        self.inner.commits_handler_writes()
+    }
 }
