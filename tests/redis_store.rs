@@ -1258,14 +1258,10 @@ async fn concurrent_first_records_past_the_value_limit_are_both_refused_unsent()
     let big = big_response(2_000_000);
     let mut claims = Vec::new();
     for key in ["race-1", "race-2", "race-3"] {
-        match store
-            .claim(&scope(key), fingerprint(7), lease)
-            .await
-            .unwrap()
-        {
-            Claim::Claimed(token) => claims.push((scope(key), token)),
-            other => panic!("{other:?}"),
-        }
+        claims.push((
+            scope(key),
+            claimed(&store, &scope(key), fingerprint(7), lease).await,
+        ));
     }
     let [(s1, t1), (s2, t2), (s3, t3)] = &claims[..] else {
         unreachable!()
@@ -1302,13 +1298,7 @@ async fn an_unanswered_question_about_the_value_limit_is_asked_again() {
     let store = RedisStore::open(&server.url()).await.unwrap();
     let store = store.timeout(Duration::from_millis(300));
     let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
-    let Claim::Claimed(token) = store
-        .claim(&scope("asked-again"), fingerprint(7), lease)
-        .await
-        .unwrap()
-    else {
-        panic!("claimed")
-    };
+    let token = claimed(&store, &scope("asked-again"), fingerprint(7), lease).await;
     let big = big_response(2_000_000);
     server.cli(&["CLIENT", "PAUSE", "1000", "ALL"]);
     let unanswered = store
@@ -1330,4 +1320,72 @@ async fn an_unanswered_question_about_the_value_limit_is_asked_again() {
         "{asked:?}; {store:?}"
     );
     assert!(format!("{store:?}").contains("max_value_len: 1048576"));
+}
+
+/// Records past 1 MiB waiting for the one question while it goes unanswered (the server
+/// paused past the store's timeout) each fail within the store's timeout: they took their
+/// turn at asking, each timing out in turn (the sixth after six timeouts).
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn records_waiting_on_an_unanswered_question_fail_within_the_timeout() {
+    let server = RedisServer::start();
+    let store = RedisStore::open(&server.url()).await.unwrap();
+    let store = store.timeout(Duration::from_millis(300));
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let mut claims = Vec::new();
+    for n in 0..6 {
+        let key = format!("queued-{n}");
+        claims.push((
+            scope(&key),
+            claimed(&store, &scope(&key), fingerprint(7), lease).await,
+        ));
+    }
+    let big = big_response(2_000_000);
+    server.cli(&["CLIENT", "PAUSE", "4000", "ALL"]);
+    let started = Instant::now();
+    let waits = futures_util::future::join_all(claims.iter().map(|(scope, token)| {
+        let (store, big) = (&store, &big);
+        async move {
+            let completed = store
+                .complete(scope, *token, fingerprint(7), big, ttl)
+                .await;
+            assert!(
+                matches!(
+                    completed,
+                    Err(tower_idempotency::store::Error::Unavailable(_))
+                ),
+                "{completed:?}"
+            );
+            started.elapsed()
+        }
+    }))
+    .await;
+    let longest = waits.into_iter().max().unwrap();
+    // Three timeouts' worth: the bound is the store's timeout, with room for a slow machine.
+    assert!(longest < Duration::from_millis(900), "waited {longest:?}");
+}
+
+/// The first record to ask, dropped mid-question (its request gone), leaves the question
+/// to the next.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn a_question_dropped_mid_way_is_asked_by_the_next_record() {
+    let server = RedisServer::start();
+    server.cli(&["CONFIG", "SET", "proto-max-bulk-len", "1mb"]);
+    let store = RedisStore::open(&server.url()).await.unwrap();
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let token = claimed(&store, &scope("cancelled"), fingerprint(7), lease).await;
+    let big = big_response(2_000_000);
+    server.cli(&["CLIENT", "PAUSE", "500", "ALL"]);
+    let cancelled = scope("cancelled");
+    let complete = || store.complete(&cancelled, token, fingerprint(7), &big, ttl);
+    let dropped = timeout(Duration::from_millis(100), complete()).await;
+    assert!(dropped.is_err(), "{dropped:?}");
+    let asked = timeout(Duration::from_secs(5), complete())
+        .await
+        .expect("not stuck behind the dropped question");
+    assert!(
+        matches!(asked, Err(tower_idempotency::store::Error::Refused(_))),
+        "{asked:?}; {store:?}"
+    );
 }

@@ -904,7 +904,14 @@ impl RedisStore {
                 Err(error) => Err(Error::Unavailable(Box::new(RedisStoreError::Redis(error)))),
             }
         });
-        known.await.copied()
+        // Records take their turn at asking: bounded as a whole, or each would wait for
+        // every question before its own to time out.
+        match tokio::time::timeout(self.timeout, known).await {
+            Ok(known) => known.copied(),
+            Err(_) => Err(Error::Unavailable(Box::new(RedisStoreError::Redis(
+                auto_pipeline::timed_out(self.timeout),
+            )))),
+        }
     }
 
     /// Keeps below `len` from now on when the server refused a value of that length as past
