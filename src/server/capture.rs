@@ -100,13 +100,8 @@ where
             lease.warn(
                 "response larger than max_response_body: retries get 409 response_not_replayable",
             );
-            let reason = Reason::NotReplayable {
-                status: parts.status,
-            };
-            let endpoint = lease.scope().endpoint().to_owned();
-            let renderer = config.render_rejections.as_deref();
-            let stored = Rejection::new(reason, endpoint).into_stored(protocol, renderer);
             // Not the response but a refusal to replay it, to every retry alike.
+            let stored = not_replayable(lease, protocol, parts.status);
             let answer = Answer::Streamed(ResponseBody::spliced(prefix, rest));
             (stored, fingerprint, None, answer)
         }
@@ -162,16 +157,20 @@ fn refuse_replays<'a>(
     status: StatusCode,
 ) -> Pin<Box<dyn Future<Output = RequestOutcome> + Send + 'a>> {
     Box::pin(async move {
-        let config = &lease.shared().config;
-        let endpoint = lease.scope().endpoint().to_owned();
-        let refusal = Rejection::new(Reason::NotReplayable { status }, endpoint)
-            .into_stored(protocol, config.render_rejections.as_deref());
+        let refusal = not_replayable(lease, protocol, status);
         if lease.record_refusal(fingerprint, &refusal).await {
             RequestOutcome::NotReplayable
         } else {
             RequestOutcome::Executed
         }
     })
+}
+
+/// The record of a refusal to replay a response of `status`: `409 response_not_replayable`.
+fn not_replayable(lease: &Lease, protocol: Protocol, status: StatusCode) -> StoredResponse {
+    let renderer = lease.shared().config.render_rejections.as_deref();
+    let endpoint = lease.scope().endpoint().to_owned();
+    Rejection::new(Reason::NotReplayable { status }, endpoint).into_stored(protocol, renderer)
 }
 
 /// What a recorded execution's client gets once the record is written.

@@ -82,7 +82,8 @@ impl Answering {
 /// A write after the handler that was given up.
 struct Unwritten {
     error: store::Error,
-    /// Given up while the store applied the lease's renewals, not for an outage.
+    /// Refused for good: the store said so, or it applied every renewal for a lease while
+    /// it failed a refusable write; not given up for an outage.
     refused: bool,
 }
 
@@ -422,16 +423,8 @@ impl Lease {
         fingerprint: Fingerprint,
         refusal: &StoredResponse,
     ) -> bool {
-        let shared = &self.shared;
-        let (scope, token, ttl) = (&self.scope, self.token, shared.config.ttl);
-        let complete = || {
-            let store = &shared.store;
-            store.complete(scope, token, fingerprint, refusal, ttl)
-        };
-        let written = self
-            .write_until_settled(Operation::Complete, complete, Instant::now(), false)
-            .await;
-        match written {
+        let written = self.write_record(fingerprint, refusal, Instant::now(), false);
+        match written.await {
             Ok(Fenced::Applied) => {
                 self.warn("recorded that the response cannot be replayed: retries get 409 response_not_replayable");
                 return true;

@@ -25,10 +25,6 @@ const LAST_POLL: Duration = Duration::from_millis(200);
 /// How long past the holder's lease a waiter looks again, when nothing was announced: a
 /// holder that crashed has no one to announce the end of its claim.
 const PAST_LEASE: Duration = Duration::from_millis(10);
-// A key still held once the lease it was read with has run out (a store that tells the
-// time left by the holder's clock, running behind this one's: Redis) is looked at again
-// as a store that announces nothing is, from `FIRST_POLL` doubling to `LAST_POLL`, not
-// every `PAST_LEASE`.
 
 /// The requests of one layer waiting for their originals, bounded.
 #[derive(Clone, Default)]
@@ -121,6 +117,9 @@ where
         if now >= deadline {
             return found;
         }
+        // A key still held once the lease it was read with ran out (a store that tells the
+        // time left by the holder's clock, running behind this one's: Redis) is looked at
+        // again as one that announces nothing is, not every `PAST_LEASE`.
         let overdue = lease_remaining.is_zero();
         let lease_ends = if overdue {
             now + poll

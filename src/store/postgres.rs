@@ -1055,15 +1055,12 @@ impl Table {
         // $5 fingerprint, $6 status, $7 headers, $8 body, $9 ttl ms, $10 payload, $11
         // resource id. A row this token already completed with the same record counts as
         // held while it lives, so a completion whose reply was lost can be retried; once
-        // expired (purged or not) it is gone. Such a row is left as it is, and one with
-        // another record is not held: what waiters and replays have read of it stays true. Completed, and kept for its TTL, from the clock's time, not `now()`:
-        // in the transactional mode the statement runs in the execution's transaction,
-        // whose `now()` is when it began, at the claim.
+        // expired (purged or not) it is gone. Such a row keeps its completion's time, TTL
+        // and replay count, and one with another record is not held: what waiters and
+        // replays have read of it stays true. Completed, and kept for its TTL, from the
+        // clock's time, not `now()`: in the transactional mode the statement runs in the
+        // execution's transaction, whose `now()` is when it began, at the claim.
         let set_once = [
-            ("request_hash", "$5"),
-            ("status_code", "$6"),
-            ("response_headers", "$7"),
-            ("response_body", "$8"),
             ("completed_at", "clock_timestamp()"),
             (
                 "expires_at",
@@ -1079,7 +1076,8 @@ impl Table {
         .join(",\n    ");
         let completing = format!(
             "WITH done AS (
-UPDATE {name} SET status = 'completed', locked_until = NULL,
+UPDATE {name} SET status = 'completed', locked_until = NULL, request_hash = $5,
+    status_code = $6, response_headers = $7, response_body = $8,
     {set_once}
 WHERE {scope} AND claim_token = $4
     AND ((status = 'completed' AND expires_at > now() AND request_hash = $5

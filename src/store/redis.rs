@@ -924,7 +924,7 @@ impl RedisStore {
         let Some(RedisStoreError::Redis(error)) = error.downcast_ref() else {
             return;
         };
-        let refused = matches!(error.kind(), redis::ErrorKind::Server(_))
+        let refused = matches!(error.kind(), ErrorKind::Server(_))
             && error.to_string().contains("invalid bulk length");
         if !refused {
             return;
