@@ -16,8 +16,8 @@ use crate::{request_path::RequestPath, IdempotencyKey};
 /// PostgreSQL index entry), and two long ones stay apart.
 pub const MAX_SCOPE_PART_LEN: usize = 1024;
 
-/// What a scope part kept as a digest begins with. No path begins so, and a principal
-/// named so is kept with a `\` in front (see [`Principal`]).
+/// What a scope part kept as a digest begins with. A path that begins so is kept as its
+/// own digest, and a principal named so with a `\` in front (see [`Principal`]).
 pub(crate) const DIGEST_PREFIX: &str = "sha256:";
 
 /// `text` as a scope keeps a part longer than [`MAX_SCOPE_PART_LEN`].
@@ -72,9 +72,11 @@ pub(crate) fn endpoint_of(endpoint: &Endpoint, parts: &Parts) -> String {
 }
 
 /// A path as its scope keeps it: as written, or as its digest when longer than
-/// [`MAX_SCOPE_PART_LEN`].
+/// [`MAX_SCOPE_PART_LEN`], or when written as one: a request's path begins with `/`, but
+/// that is the HTTP library's rule, not this crate's, and a path written as another's digest
+/// must not share its scope.
 fn kept(path: &str) -> Cow<'_, str> {
-    if path.len() > MAX_SCOPE_PART_LEN {
+    if path.len() > MAX_SCOPE_PART_LEN || path.starts_with(DIGEST_PREFIX) {
         Cow::Owned(digest_form(path))
     } else {
         Cow::Borrowed(path)
@@ -229,6 +231,16 @@ mod tests {
         let digest = digest_form(&past);
         assert_eq!(scope_of(&past).endpoint(), format!("POST {digest}"));
         assert_eq!(digest.len(), "sha256:".len() + 64);
+    }
+
+    #[test]
+    fn a_path_written_as_a_digest_is_kept_as_its_own_digest() {
+        let long = format!("/{}", "a".repeat(MAX_SCOPE_PART_LEN));
+        let digest = digest_form(&long);
+        assert_eq!(kept(&long), digest);
+        assert_ne!(kept(&digest), digest);
+        assert_eq!(kept(&digest), digest_form(&digest));
+        assert_eq!(kept("/sha256:x"), "/sha256:x");
     }
 
     #[test]
