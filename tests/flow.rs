@@ -50,6 +50,7 @@ for_each_store!(
     inner_service_error_releases_the_key,
     completed_records_expire_after_their_ttl,
     a_record_is_kept_for_its_ttl_from_its_completion,
+    a_duplicate_back_when_told_finds_the_record_under_a_short_ttl,
     lease_is_renewed_while_the_handler_runs,
     lease_is_renewed_while_the_response_body_streams,
     completing_twice_with_one_token_is_harmless,
@@ -497,6 +498,29 @@ async fn a_record_is_kept_for_its_ttl_from_its_completion(store: Arc<dyn Store>)
     send(&app, slow()).await.assert_executed();
     let retry = send(&app, slow()).await;
     assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(handler.executions(), 1);
+}
+
+/// A duplicate of a running request that comes back when `Retry-After` says finds the
+/// record, however short the TTL: the advice never outlasts it.
+async fn a_duplicate_back_when_told_finds_the_record_under_a_short_ttl(store: Arc<dyn Store>) {
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).ttl(Duration::from_secs(1)));
+    let slow = || post("/pay").key("told").header("x-sleep-ms", "1500");
+    let first = tokio::spawn({
+        let app = app.clone();
+        let original = slow();
+        async move { send(&app, original).await }
+    });
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let busy = send(&app, slow()).await;
+    assert_eq!(busy.error(), "request_in_progress", "{busy:?}");
+    let told = Duration::from_secs(retry_after_header(&busy));
+    first.await.unwrap().assert_executed();
+    // Back when told, from when told.
+    tokio::time::sleep(told.saturating_sub(Duration::from_millis(1500 - 1200))).await;
+    let retry = send(&app, slow()).await;
+    assert!(retry.replayed(), "told {told:?}: {retry:?}");
     assert_eq!(handler.executions(), 1);
 }
 

@@ -171,7 +171,7 @@ where
                 running_for,
                 ..
             }) => {
-                let retry_after = retry_after(running_for, lease_remaining);
+                let retry_after = retry_after(running_for, lease_remaining, config.ttl);
                 answered(RequestOutcome::InProgress);
                 return reject(Reason::InProgress { retry_after });
             }
@@ -328,12 +328,22 @@ enum Called<B: Body> {
 /// (a result that took a second so far is likely a second away; one that took ten, ten),
 /// at least a second, and no later than the lease runs out (when a crashed holder's key
 /// frees itself). Unknown running time counts as none: ask again soon.
-fn retry_after(running_for: Option<Duration>, lease_remaining: Duration) -> Duration {
+///
+/// Nor later than the record is kept (`ttl`, in the whole seconds `Retry-After` rounds up
+/// to): the holder may complete right after this answer, and a duplicate that came back
+/// when told must find its record, not execute again.
+fn retry_after(
+    running_for: Option<Duration>,
+    lease_remaining: Duration,
+    ttl: Duration,
+) -> Duration {
     let soonest = Duration::from_secs(1);
+    let kept = Duration::from_secs(ttl.as_secs());
     running_for
         .unwrap_or_default()
         .max(soonest)
         .min(lease_remaining.max(soonest))
+        .min(kept.max(soonest))
 }
 
 #[cfg(test)]
@@ -343,12 +353,29 @@ mod tests {
     #[test]
     fn retry_after_tracks_the_running_time_within_the_lease() {
         let secs = Duration::from_secs;
-        let lease = secs(29);
-        assert_eq!(retry_after(None, lease), secs(1));
-        assert_eq!(retry_after(Some(Duration::from_millis(80)), lease), secs(1));
-        assert_eq!(retry_after(Some(secs(7)), lease), secs(7));
-        assert_eq!(retry_after(Some(secs(40)), lease), lease);
+        let (lease, ttl) = (secs(29), secs(86_400));
+        assert_eq!(retry_after(None, lease, ttl), secs(1));
+        assert_eq!(
+            retry_after(Some(Duration::from_millis(80)), lease, ttl),
+            secs(1)
+        );
+        assert_eq!(retry_after(Some(secs(7)), lease, ttl), secs(7));
+        assert_eq!(retry_after(Some(secs(40)), lease, ttl), lease);
         // A lease about to run out still leaves a second to come back in.
-        assert_eq!(retry_after(Some(secs(5)), Duration::ZERO), secs(1));
+        assert_eq!(retry_after(Some(secs(5)), Duration::ZERO, ttl), secs(1));
+    }
+
+    #[test]
+    fn retry_after_never_outlasts_the_record() {
+        let secs = Duration::from_secs;
+        let lease = secs(29);
+        assert_eq!(retry_after(Some(secs(7)), lease, secs(5)), secs(5));
+        // In the whole seconds the header rounds up to: 2.5 s of TTL is told as 2.
+        let told = retry_after(Some(secs(7)), lease, Duration::from_millis(2500));
+        assert_eq!(told, secs(2));
+        assert_eq!(
+            retry_after(Some(secs(7)), lease, Duration::from_millis(300)),
+            secs(1)
+        );
     }
 }

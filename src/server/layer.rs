@@ -305,6 +305,10 @@ impl IdempotencyLayer {
 
     /// How long a completed response is replayed. Default: 24 hours.
     ///
+    /// Keep it longer than clients retry for: a retry that comes after it executes again.
+    /// The `Retry-After` of a `409 request_in_progress` never says to come back later than
+    /// it (in whole seconds, at least one).
+    ///
     /// # Panics
     ///
     /// If `ttl` is zero (nothing would be replayed) or longer than [`LONGEST_DURATION`].
