@@ -38,7 +38,16 @@ impl Default for Backoff {
 
 impl Backoff {
     /// Ceilings start at `base` and double up to `cap` (a `cap` below `base` is raised to it).
+    ///
+    /// # Panics
+    ///
+    /// If `base` is zero: every ceiling would be zero, and every retry immediate, whatever
+    /// `cap` says.
     pub fn new(base: Duration, cap: Duration) -> Self {
+        assert!(
+            !base.is_zero(),
+            "a backoff's base must be more than zero: every retry would be immediate"
+        );
         Self {
             base,
             cap: cap.max(base),
@@ -71,6 +80,12 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    #[should_panic(expected = "a backoff's base must be more than zero")]
+    fn a_zero_base_is_refused() {
+        let _ = Backoff::new(Duration::ZERO, Duration::from_secs(5));
+    }
 
     #[test]
     fn ceilings_double_from_the_base_up_to_the_cap() {
