@@ -18,6 +18,13 @@
 //! tokio-postgres flavour lends the connection for statements only (`&`): its
 //! `transaction()`, which sends `BEGIN` and then `COMMIT` on a plain client, does not
 //! compile. With sqlx, `begin()` on the lent connection makes a savepoint.
+//!
+//! Nor may the response's body stream from the transaction (tokio-postgres's `query_raw`
+//! rows, say): the layer reads a body up to `max_response_body` before committing, but one
+//! larger, or one whose status releases the key, is handed on after the commit or the
+//! rollback, which then waits behind the rows nobody reads. That wait is bounded by the
+//! lease: the transaction's connection is then closed, which rolls back, and the client
+//! gets `503`.
 
 use std::{
     fmt,

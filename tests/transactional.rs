@@ -122,6 +122,8 @@ on_both_drivers!(
     a_duplicate_that_waits_gets_the_originals_answer,
     a_duplicate_that_waits_is_woken_by_a_notification,
     a_completion_the_store_refuses_rolls_back_at_once,
+    a_release_refused_in_front_of_the_store_still_rolls_back,
+    a_completion_failing_in_front_of_the_store_is_answered_within_the_lease,
 );
 
 /// What the test handler does in its transaction, on either driver.
@@ -774,4 +776,151 @@ async fn a_completion_the_store_refuses_rolls_back_at_once(driver: Driver) {
     let retry = send(&app, order()).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(service.rows().await, 1);
+}
+
+/// In front of the store (a wrapper of the application's): refuses releases, or fails
+/// completions as unavailable, while set.
+#[derive(Debug, Default)]
+struct FailsInFront {
+    refusing_releases: std::sync::atomic::AtomicBool,
+    failing_completions: std::sync::atomic::AtomicBool,
+}
+
+impl Hooks for FailsInFront {
+    fn before(&self, operation: Operation<'_>) -> tower_idempotency::store::Result<()> {
+        use tower_idempotency::store::Error;
+        match operation {
+            Operation::Release if self.refusing_releases.load(Ordering::SeqCst) => {
+                Err(Error::Refused("not past this wrapper".into()))
+            }
+            Operation::Complete(_) if self.failing_completions.load(Ordering::SeqCst) => {
+                Err(Error::Unavailable("down in front of the store".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The orders service behind a transactional layer whose store is wrapped in `hooks`.
+async fn wrapped_service(
+    driver: Driver,
+    hooks: FailsInFront,
+    lease: Duration,
+) -> (Service, Router, Arc<Wrapped<FailsInFront>>) {
+    let service = Service::new(driver).await;
+    let wrapped = Wrapped::new(Arc::new(service.store.clone()), hooks);
+    let route = match driver {
+        Driver::TokioPostgres => post(create_order::<PostgresTransaction>),
+        Driver::Sqlx => post(create_order::<SqlxTransaction>),
+    };
+    let layer = IdempotencyLayer::from_shared(wrapped.clone())
+        .allow_anonymous()
+        .lease(lease);
+    let app = Router::new()
+        .route("/orders", route.layer(layer))
+        .with_state(service.orders.clone());
+    (service, app, wrapped)
+}
+
+/// A release that never reached the store (refused in front of it) still rolls the
+/// execution's transaction back: it stayed open for good, holding the key (every retry got
+/// 409 in progress, the store renewing the claim of an open transaction), the handler's
+/// writes and a connection.
+async fn a_release_refused_in_front_of_the_store_still_rolls_back(driver: Driver) {
+    let hooks = FailsInFront::default();
+    hooks.refusing_releases.store(true, Ordering::SeqCst);
+    let (service, app, wrapped) = wrapped_service(driver, hooks, Duration::from_secs(2)).await;
+    let order = || request("/orders").key("refused-release").body("{}");
+    let failed = send(&app, order().header("x-status", "500")).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    // Given up on at once (refused), and rolled back without waiting for the lease.
+    wrapped
+        .hooks
+        .refusing_releases
+        .store(false, Ordering::SeqCst);
+    rolled_back_then_the_retry_executes(&service, &app, order()).await;
+}
+
+/// A completion that fails in front of the store is given up within a lease of its first
+/// failure: 503, the transaction rolled back, the key free. It was retried for ever, the
+/// store applying every renewal of a claim whose transaction is open.
+async fn a_completion_failing_in_front_of_the_store_is_answered_within_the_lease(driver: Driver) {
+    let hooks = FailsInFront::default();
+    hooks.failing_completions.store(true, Ordering::SeqCst);
+    let (service, app, wrapped) = wrapped_service(driver, hooks, Duration::from_secs(2)).await;
+    let order = || request("/orders").key("failing-completion").body("{}");
+    let first = tokio::time::timeout(Duration::from_secs(15), send(&app, order()))
+        .await
+        .expect("answered within the lease of the first failure");
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    wrapped
+        .hooks
+        .failing_completions
+        .store(false, Ordering::SeqCst);
+    rolled_back_then_the_retry_executes(&service, &app, order()).await;
+}
+
+/// The execution's transaction rolled back (none open, no order written), and `retry`
+/// executing once, committed.
+async fn rolled_back_then_the_retry_executes(
+    service: &Service,
+    app: &Router,
+    retry: support::app::Req,
+) {
+    until(|| async { service.store.open_transactions() == 0 }).await;
+    assert_eq!(service.rows().await, 0);
+    let retry = send(app, retry).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(
+        (service.rows().await, service.store.open_transactions()),
+        (1, 0)
+    );
+}
+
+/// A response body streaming rows from the execution's transaction (tokio-postgres's
+/// `query_raw`) past `max_response_body`, so handed on only after its record: the
+/// completion and the `COMMIT` queue behind rows nobody reads. They are given up after the
+/// lease, the connection closed, and the request answered, where it hung for good with its
+/// connection and the key.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn a_body_streaming_from_the_transaction_cannot_hold_its_commit_for_ever() {
+    use futures_util::StreamExt;
+    let store = Driver::TokioPostgres.transactional().await;
+    let route = post(|tx: PostgresTransaction| async move {
+        let sql = "SELECT repeat('x', 1000) FROM generate_series(1, 20000)";
+        let rows = tx.query_raw(sql, std::iter::empty::<&str>()).await.unwrap();
+        let body = rows.map(|row| {
+            let row = row.map_err(std::io::Error::other)?;
+            Ok::<_, std::io::Error>(bytes::Bytes::from(row.get::<_, String>(0)))
+        });
+        (StatusCode::CREATED, axum::body::Body::from_stream(body))
+    });
+    let layer = IdempotencyLayer::new(store.clone())
+        .allow_anonymous()
+        .lease(Duration::from_secs(2))
+        .max_response_body(64 * 1024);
+    let app = Router::new().route("/export", route.layer(layer));
+    let export = || request("/export").key("streamed").body("{}");
+    let answer = tokio::time::timeout(Duration::from_secs(20), send(&app, export()))
+        .await
+        .expect("answered");
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        answer.body
+    );
+    until(|| async { store.open_transactions() == 0 }).await;
+}
+
+/// Waits, up to ten seconds, until `holds`.
+async fn until<F: Future<Output = bool>>(holds: impl Fn() -> F) {
+    for _ in 0..200 {
+        if holds().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("not within ten seconds");
 }

@@ -261,10 +261,19 @@ impl Lease {
             let mut answering = Answering::default();
             let mut error = first;
             let mut backoff = WRITE_RETRY_FIRST;
+            // A transaction holds the key while it is open, so a transactional store applies
+            // every renewal: the lease counts from the first failure there, or a write that
+            // never reached the store (a wrapper's refusal) would be retried for ever.
+            let transactional = self.shared.store.commits_handler_writes();
             loop {
                 let next = Instant::now() + backoff;
                 let renewals = self.renewals();
-                if next >= renewals.applied + lease {
+                let since = if transactional {
+                    failed_at
+                } else {
+                    renewals.applied
+                };
+                if next >= since + lease {
                     return Err(Unwritten {
                         error,
                         refused: false,
@@ -318,12 +327,23 @@ impl Lease {
                 tracing::debug!(why, "idempotency key released");
             }
             Ok(Fenced::Lost) => self.warn("could not release: the claim was already lost"),
-            Err(error) => tracing::error!(
-                %error, why,
-                "could not release the idempotency key within its lease: it frees itself as the lease runs out"
-            ),
+            Err(error) => {
+                tracing::error!(
+                    %error, why,
+                    "could not release the idempotency key within its lease: it frees itself as the lease runs out"
+                );
+                self.abandon();
+            }
         }
         self.shared.answered(RequestOutcome::Released);
+    }
+
+    /// Tells the store that no write will end this claim (see [`Store::abandon`]): a
+    /// transactional store rolls the execution's transaction back, which frees the key.
+    ///
+    /// [`Store::abandon`]: crate::Store::abandon
+    fn abandon(&self) {
+        self.shared.store.abandon(&self.scope, self.token);
     }
 
     async fn give_back(&self) -> store::Result<Fenced> {
@@ -378,6 +398,9 @@ impl Lease {
                         tracing::error!(%error, "could not roll back the refused execution's transaction");
                     }
                 }
+                // Whatever did not reach the store (a completion failed in front of it)
+                // left the transaction open: no write will end it now.
+                self.abandon();
             }
             Err(Unwritten {
                 error,

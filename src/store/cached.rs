@@ -278,6 +278,10 @@ impl<S: Store + ?Sized> Store for CachedStore<S> {
         self.inner.hand_over(token, extensions)
     }
 
+    fn abandon(&self, scope: &Scope, token: ClaimToken) {
+        self.inner.abandon(scope, token);
+    }
+
     fn commits_handler_writes(&self) -> bool {
         self.inner.commits_handler_writes()
     }

@@ -347,6 +347,14 @@ pub trait Store: Debug + Send + Sync + 'static {
     /// hands over that transaction. Others add nothing (the default).
     fn hand_over(&self, _token: ClaimToken, _extensions: &mut http::Extensions) {}
 
+    /// The layer gave up on `token`'s claim of `scope` without the store ending it: its
+    /// completion or its release was refused, or not answered within the lease. A store
+    /// that holds something for a claim until one of them ends it (PostgreSQL's
+    /// transactional modes: the execution's transaction) lets go of it now, rolling it back,
+    /// rather than keeping the key and a connection for ever. Others have nothing to do (the
+    /// default). A store that wraps another forwards it.
+    fn abandon(&self, _scope: &Scope, _token: ClaimToken) {}
+
     /// Whether a completion also commits the handler's own writes (a transactional store).
     /// The layer then never sends a response whose completion the store did not apply, as
     /// its writes did not happen: it answers `503 idempotency_store_unavailable` instead,

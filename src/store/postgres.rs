@@ -1459,6 +1459,12 @@ impl Store for PostgresStore {
         }
     }
 
+    fn abandon(&self, scope: &Scope, token: ClaimToken) {
+        if let Some(open) = &self.transactions {
+            open.abandon(scope, token);
+        }
+    }
+
     fn commits_handler_writes(&self) -> bool {
         self.transactions.is_some()
     }

@@ -119,6 +119,10 @@ impl<H: Hooks> Store for Wrapped<H> {
         self.inner.hand_over(token, extensions);
     }
 
+    fn abandon(&self, scope: &Scope, token: ClaimToken) {
+        self.inner.abandon(scope, token);
+    }
+
     fn commits_handler_writes(&self) -> bool {
         self.inner.commits_handler_writes()
     }

@@ -145,6 +145,9 @@ pub(super) trait Transactions: Send + Sync + 'static {
 
     fn hand_over(&self, token: ClaimToken, extensions: &mut http::Extensions);
 
+    /// Rolls back `token`'s transaction on `scope`, if still open, without waiting for it.
+    fn abandon(&self, scope: &Scope, token: ClaimToken);
+
     /// How many transactions are open now.
     fn open(&self) -> usize;
 }
@@ -156,10 +159,12 @@ pub(super) struct Open<D: Driver> {
     transactions: Mutex<HashMap<ClaimToken, Held<D::Connection>>>,
 }
 
-/// An open transaction and the storage key its claim holds.
+/// An open transaction, the storage key its claim holds, and the claim's lease: how long
+/// its completion or its rollback may take before the connection is closed instead.
 struct Held<C> {
     key: Box<str>,
     transaction: InTransaction<C>,
+    lease: Duration,
 }
 
 impl<D: Driver> Open<D> {
@@ -178,12 +183,10 @@ impl<D: Driver> Open<D> {
 
     /// The transaction `token`'s claim of `scope` opened: a token is no write's to
     /// another scope.
-    fn take(&self, scope: &Scope, token: ClaimToken) -> Option<InTransaction<D::Connection>> {
+    fn take(&self, scope: &Scope, token: ClaimToken) -> Option<Held<D::Connection>> {
         let mut map = self.map();
         match map.get(&token) {
-            Some(held) if *held.key == *scope.storage_key() => {
-                map.remove(&token).map(|held| held.transaction)
-            }
+            Some(held) if *held.key == *scope.storage_key() => map.remove(&token),
             _ => None,
         }
     }
@@ -267,6 +270,7 @@ impl<D: Driver> Transactions for Open<D> {
                 let held = Held {
                     key: scope.storage_key().into(),
                     transaction: InTransaction::new(begun.transaction),
+                    lease,
                 };
                 self.map().insert(token, held);
                 return Ok(Claim::Claimed(token));
@@ -315,7 +319,7 @@ impl<D: Driver> Transactions for Open<D> {
                 .complete_now(scope, token, fingerprint, response, ttl)
                 .await;
         };
-        let Some(transaction) = open.take() else {
+        let Some(transaction) = open.transaction.take() else {
             // The handler still holds it (a task it spawned): it rolls back when dropped.
             return Err(Error::Backend(
                 "the handler still holds its transaction: rolled back".into(),
@@ -329,9 +333,23 @@ impl<D: Driver> Transactions for Open<D> {
             &statements.complete
         };
         let ending = completion.ending(store);
-        self.driver
-            .complete_and_commit(transaction, sql, &completion)
-            .await?;
+        // Bounded: a response body still streaming rows from the transaction (a
+        // tokio-postgres `query_raw`) holds the completion and the `COMMIT` behind them.
+        // Given up, the transaction is dropped and its connection closed, which rolls back
+        // unless the `COMMIT` was applied; a completion sent again then finds which.
+        let committing = self
+            .driver
+            .complete_and_commit(transaction, sql, &completion);
+        tokio::time::timeout(open.lease, committing)
+            .await
+            .map_err(|_| {
+                let why = format!(
+                    "the completion and COMMIT were not answered within the lease ({:?}): \
+                     the transaction's connection is closed",
+                    open.lease
+                );
+                Error::Unavailable(why.into())
+            })??;
         if let Some(ending) = ending {
             ending.completed(|| Claim::Completed {
                 fingerprint,
@@ -351,9 +369,12 @@ impl<D: Driver> Transactions for Open<D> {
         let Some(open) = self.take(scope, token) else {
             return store.release_now(scope, token).await;
         };
-        // A transaction the handler still holds rolls back when it lets go of it.
-        if let Some(transaction) = open.take() {
-            self.driver.rollback(transaction).await;
+        // A transaction the handler still holds rolls back when it lets go of it. One whose
+        // rollback is not answered within the lease (held behind rows a response body
+        // still streams) is dropped, its connection closed, which rolls back as well.
+        if let Some(transaction) = open.transaction.take() {
+            let rolling_back = self.driver.rollback(transaction);
+            let _ = tokio::time::timeout(open.lease, rolling_back).await;
         }
         store.announce_rollback(scope, token).await;
         Ok(Fenced::Applied)
@@ -368,6 +389,15 @@ impl<D: Driver> Transactions for Open<D> {
     fn hand_over(&self, token: ClaimToken, extensions: &mut http::Extensions) {
         if let Some(held) = self.map().get(&token) {
             extensions.insert(held.transaction.clone());
+        }
+    }
+
+    fn abandon(&self, scope: &Scope, token: ClaimToken) {
+        let transaction = self
+            .take(scope, token)
+            .and_then(|held| held.transaction.take());
+        if let Some(transaction) = transaction {
+            self.driver.abandon(transaction);
         }
     }
 
