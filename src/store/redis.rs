@@ -894,7 +894,11 @@ impl RedisStore {
                     Ok(())
                 }
                 Ok(None) => Ok(()),
-                Err(error) if matches!(error.kind(), ErrorKind::Server(_)) => {
+                // An answer that is no limit: an error of the server's (one the client
+                // library names or not: a proxy's own code) or a reply of another shape.
+                // Only what asking again could change (a dropped connection, a timeout, a
+                // `TRYAGAIN` or `LOADING`) leaves the question open.
+                Err(error) if matches!(error.retry_method(), redis::RetryMethod::NoRetry) => {
                     tracing::warn!(
                         %error,
                         "Redis would not say its proto-max-bulk-len: a record past it closes the connection until one is refused, or, with replicas to wait for, each time (set RedisStore::max_value_len)"
