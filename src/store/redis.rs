@@ -210,6 +210,11 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const ACK_RETRY_FIRST: Duration = Duration::from_millis(500);
 const ACK_RETRY_MAX: Duration = Duration::from_secs(10);
 const ACK_RETRIES: usize = 26;
+/// The most bytes of completions one store holds at once to write again for their
+/// replicas: past it (a replica down under a stream of large records), a completion is not
+/// written again (counted: `idempotency_replica_acks_dropped_total`), rather than holding
+/// every record of the last four minutes.
+const ACKS_PENDING_MAX: usize = 64 * 1024 * 1024;
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
 /// A request waiting on a reconnection waits for these few quick attempts only: during an
 /// outage it must get its `503` in well under a second, not after a long backoff. The next
@@ -280,6 +285,9 @@ pub struct RedisStore {
     /// Set once the server has answered what its `proto-max-bulk-len` is (or that it will
     /// not say), or when it need not be asked ([`RedisStore::max_value_len`]).
     value_limit_known: Arc<OnceCell<()>>,
+    /// The bytes of completions held to write again for their replicas
+    /// ([`pending_acknowledgements`](Self::pending_acknowledgements)).
+    acks_pending: Arc<AtomicUsize>,
 }
 
 /// Where the commands go, batched into pipelines.
@@ -463,6 +471,7 @@ impl RedisStore {
             database: 0,
             max_value_len: Arc::new(AtomicUsize::new(DEFAULT_MAX_VALUE_LEN)),
             value_limit_known: Arc::new(OnceCell::new()),
+            acks_pending: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -964,8 +973,18 @@ impl RedisStore {
         token: ClaimToken,
         args: Vec<Vec<u8>>,
     ) {
+        let bytes = args.iter().map(Vec::len).sum::<usize>();
+        let Some(held) = Pending::hold(&self.acks_pending, bytes) else {
+            metrics::counter!("idempotency_replica_acks_dropped_total").increment(1);
+            tracing::warn!(
+                bytes,
+                "a completion its replicas did not acknowledge is not written again: {ACKS_PENDING_MAX} bytes of others are already held to be"
+            );
+            return;
+        };
         let store = self.clone();
         let acknowledging = async move {
+            let _held = held;
             let mut pause = ACK_RETRY_FIRST;
             for _ in 0..ACK_RETRIES {
                 tokio::time::sleep(pause).await;
@@ -1012,6 +1031,13 @@ impl RedisStore {
     /// idempotency key, and in a cluster a shard channel of the key's own slot.
     pub fn announcement_channel(&self, scope: &Scope) -> String {
         channel::of(&self.redis_key(scope))
+    }
+
+    /// How many bytes of completions this store holds now to write again until their
+    /// replicas acknowledge them ([`replicas_best_effort`](Self::replicas_best_effort)): at
+    /// most 64 MiB, past which a completion is not written again.
+    pub fn pending_acknowledgements(&self) -> usize {
+        self.acks_pending.load(Ordering::Relaxed)
     }
 
     /// How many keys this store's requests wait on now, each subscribed to once however
@@ -1375,5 +1401,33 @@ impl fmt::Debug for RedisStore {
             .field("timeout", &self.timeout)
             .field("max_value_len", &self.max_value_len.load(Ordering::Relaxed))
             .finish_non_exhaustive()
+    }
+}
+
+/// Bytes counted in a store's [`RedisStore::pending_acknowledgements`] while held.
+struct Pending {
+    count: Arc<AtomicUsize>,
+    bytes: usize,
+}
+
+impl Pending {
+    /// `bytes` more held, unless that would pass [`ACKS_PENDING_MAX`].
+    fn hold(count: &Arc<AtomicUsize>, bytes: usize) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes)
+                    .filter(|&total| total <= ACKS_PENDING_MAX)
+            })
+            .ok()?;
+        Some(Self {
+            count: Arc::clone(count),
+            bytes,
+        })
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.count.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
