@@ -20,6 +20,9 @@
 # test:*, the schema idempotency_tests, crash tests' databases; scripts/test-cleanup.sh),
 # then logs what is left ("left behind: ...") and fails if anything is.
 #
+# With no arguments it also tests the crate built with serde_json's `arbitrary_precision`
+# (checks/arbitrary_precision), as an application's other crates may build it.
+#
 # Extra arguments go to `cargo test` (for example `--test flow`, or a test name filter).
 # The tests that need a server are ignored by a plain `cargo test`: this script runs them
 # too (`--include-ignored`, added to the test binaries' arguments given after `--`, if any).
@@ -152,3 +155,9 @@ for arg in "$@"; do
   fi
 done
 cargo test --all-features "$@" "${binary_args[@]}"
+# The whole suite also builds the crate as an application may: with serde_json's
+# `arbitrary_precision` unified into it (checks/arbitrary_precision).
+if [ $# -eq 0 ]; then
+  cargo test --manifest-path checks/arbitrary_precision/Cargo.toml \
+    --target-dir "${CARGO_TARGET_DIR:-target}/arbitrary-precision"
+fi

@@ -281,10 +281,113 @@ impl<'de> Visitor<'de> for NodeVisitor {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Node<'de>, A::Error> {
         let mut members = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        let Some(Name(first)) = map.next_key()? else {
+            return Ok(Node::Object(members));
+        };
+        if first == PRIVATE_NUMBER {
+            // A number, if serde_json is built with `arbitrary_precision` (a feature any
+            // crate of the build may turn on): it hands each number over as this one-member
+            // map, its text as an owned string, which no member a body spells is.
+            match map.next_value::<MaybeNumber>()? {
+                MaybeNumber::Text(text) => {
+                    if let (Some(number), None) = (number(&text), map.next_key::<Name>()?) {
+                        return Ok(number);
+                    }
+                    return Err(serde::de::Error::custom(
+                        "not a number serde_json would send",
+                    ));
+                }
+                MaybeNumber::Node(value) => members.push((first, value)),
+            }
+        } else {
+            members.push((first, map.next_value()?));
+        }
         while let Some((Name(name), value)) = map.next_entry()? {
             members.push((name, value));
         }
         Ok(Node::Object(members))
+    }
+}
+
+/// The member name serde_json's `arbitrary_precision` hands a number over as.
+const PRIVATE_NUMBER: &str = "$serde_json::private::Number";
+
+/// `text`, a number as written, as serde_json would read it without `arbitrary_precision`:
+/// an unsigned or a signed integer where one holds it, else a double.
+fn number(text: &str) -> Option<Node<'static>> {
+    if let Ok(unsigned) = text.parse() {
+        return Some(Node::Unsigned(unsigned));
+    }
+    if let Ok(signed) = text.parse() {
+        return Some(Node::Signed(signed));
+    }
+    let double: f64 = text.parse().ok()?;
+    double.is_finite().then_some(Node::Double(double))
+}
+
+/// The value of a member named [`PRIVATE_NUMBER`]: a number's text (an owned string, as
+/// serde_json hands it over), or what the body wrote there.
+enum MaybeNumber<'a> {
+    Text(String),
+    Node(Node<'a>),
+}
+
+impl<'de> Deserialize<'de> for MaybeNumber<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct MaybeNumberVisitor;
+
+        impl<'de> Visitor<'de> for MaybeNumberVisitor {
+            type Value = MaybeNumber<'de>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON value")
+            }
+
+            fn visit_string<E: serde::de::Error>(self, value: String) -> Result<Self::Value, E> {
+                Ok(MaybeNumber::Text(value))
+            }
+
+            fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+                NodeVisitor.visit_unit().map(MaybeNumber::Node)
+            }
+
+            fn visit_bool<E: serde::de::Error>(self, value: bool) -> Result<Self::Value, E> {
+                NodeVisitor.visit_bool(value).map(MaybeNumber::Node)
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, value: u64) -> Result<Self::Value, E> {
+                NodeVisitor.visit_u64(value).map(MaybeNumber::Node)
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, value: i64) -> Result<Self::Value, E> {
+                NodeVisitor.visit_i64(value).map(MaybeNumber::Node)
+            }
+
+            fn visit_f64<E: serde::de::Error>(self, value: f64) -> Result<Self::Value, E> {
+                NodeVisitor.visit_f64(value).map(MaybeNumber::Node)
+            }
+
+            fn visit_borrowed_str<E: serde::de::Error>(
+                self,
+                value: &'de str,
+            ) -> Result<Self::Value, E> {
+                NodeVisitor.visit_borrowed_str(value).map(MaybeNumber::Node)
+            }
+
+            fn visit_str<E: serde::de::Error>(self, value: &str) -> Result<Self::Value, E> {
+                NodeVisitor.visit_str(value).map(MaybeNumber::Node)
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+                NodeVisitor.visit_seq(seq).map(MaybeNumber::Node)
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                NodeVisitor.visit_map(map).map(MaybeNumber::Node)
+            }
+        }
+
+        deserializer.deserialize_any(MaybeNumberVisitor)
     }
 }
 
@@ -331,6 +434,36 @@ mod tests {
         let mut out = Vec::new();
         write(&document, &mut out).unwrap();
         String::from_utf8(out).unwrap()
+    }
+
+    /// serde_json built with `arbitrary_precision` (which any crate of a build may turn on)
+    /// hands each number over as a one-member map holding its text, as here: read as the
+    /// number it is, so `12.5`, `12.50` and `1.25e1` keep one canonical form, never as the
+    /// object a body could spell with that member.
+    #[test]
+    fn numbers_handed_over_as_their_text_are_numbers() {
+        use serde::de::value::{Error, MapDeserializer};
+        let handed = |text: &str| {
+            let entries = [(PRIVATE_NUMBER, text.to_owned())].into_iter();
+            let node = Node::deserialize(MapDeserializer::<_, Error>::new(entries)).unwrap();
+            let mut out = Vec::new();
+            write(&node, &mut out).unwrap();
+            String::from_utf8(out).unwrap()
+        };
+        for (text, read) in [
+            ("12.50", "12.5"),
+            ("1.25e1", "12.5"),
+            ("-0", "0"),
+            ("100", "100"),
+            ("-7", "-7"),
+            ("18446744073709551615", "18446744073709551615"),
+            ("9007199254740993", "9007199254740993"),
+        ] {
+            assert_eq!(handed(text), canonical(read), "{text}");
+        }
+        let spelt = r#"{"$serde_json::private::Number":"12.5"}"#;
+        assert_eq!(canonical(spelt), spelt);
+        assert_ne!(canonical(spelt), canonical("12.5"));
     }
 
     #[test]

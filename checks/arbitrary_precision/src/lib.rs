@@ -1,0 +1,1 @@
+//! Nothing of its own: the tests build the crate with serde_json's `arbitrary_precision`.
