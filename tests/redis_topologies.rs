@@ -1865,3 +1865,48 @@ impl Clock {
         eprintln!("{}: {:>6.2?} {what}", self.test, self.started.elapsed());
     }
 }
+
+/// The key's master stalls writes (`CLIENT PAUSE … WRITE`) while a request claims: the
+/// store's timeout (900 ms) fails the claim, the layer answers 503 and releases the claim
+/// (fenced by its token) behind it. At 2 s the cluster connection times the claim's
+/// pipeline out, and the store sent every command of that pipeline again alone, the claim
+/// included, though nobody awaited it any more. The master came back at 2.3 s: it ran the
+/// claim, the release, then the claim sent again, which took the key for a token nobody
+/// holds: the client's retry, long after the stall, got `409 request_in_progress` for a
+/// whole lease (30 s). A claim nobody awaits is no longer sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "starts its own Redis Cluster: scripts/test.sh"]
+async fn a_claim_timed_out_and_released_is_not_sent_again_to_hold_the_key() {
+    use support::app::{self as app_support, post, router, send};
+
+    let cluster = blocking(|| RedisCluster::start(3, 0)).await;
+    let store = RedisStore::cluster(cluster.urls())
+        .await
+        .expect("cluster store")
+        .prefix(unique_prefix("phantom"))
+        .timeout(Duration::from_millis(900));
+    let redis_key = store.redis_key(&app_support::scope("phantom"));
+    let store: Arc<dyn Store> = Arc::new(store);
+    let handler = app_support::Handler::default();
+    let app = router(
+        &handler,
+        app_support::layer(&store).lease(Duration::from_secs(30)),
+    );
+    let master = cluster.master_for_key(&redis_key);
+    cluster.cli(master, &["CLIENT", "PAUSE", "20000", "WRITE"]);
+    let started = Instant::now();
+    let first = send(&app, post("/pay").key("phantom")).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+    tokio::time::sleep_until(started + Duration::from_millis(2300)).await;
+    cluster.cli(master, &["CLIENT", "UNPAUSE"]);
+    // Well past the stall, and past anything in flight.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let held = cluster.cli(master, &["PTTL", &redis_key]);
+    let retry = send(&app, post("/pay").key("phantom")).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the retry, 3 s after the stall: {retry:?}; PTTL of the key before it: {held}"
+    );
+    assert_eq!(handler.executions(), 1);
+}

@@ -33,7 +33,7 @@ pub(super) struct Queued {
     pub(super) command: Cmd,
     pub(super) reply: Reply,
     /// Whether the command still leaves once nobody awaits its reply.
-    unawaited: Unawaited,
+    pub(super) unawaited: Unawaited,
     /// The replicas that must have the command's write before it is answered.
     pub(super) acks: Option<Replicas>,
     /// The cluster slot of the command's key (unused on one server).
@@ -197,7 +197,10 @@ fn take_batch(first: Queued, commands: &mut mpsc::UnboundedReceiver<Queued>) -> 
 /// write the connection sent before it).
 pub(super) struct Batch {
     pub(super) pipeline: Pipeline,
-    pub(super) replies: Vec<Reply>,
+    /// Where each command's reply goes, and what becomes of the command once nobody awaits
+    /// it: a cluster that sends a command again after its pipeline failed leaves out a
+    /// claim nobody awaits.
+    pub(super) replies: Vec<(Reply, Unawaited)>,
     pub(super) acks: Vec<Option<Replicas>>,
     wait: Option<Replicas>,
 }
@@ -211,7 +214,7 @@ impl Batch {
         for queued in queued {
             pipeline.add_command(queued.command);
             wait = Replicas::most(wait, queued.acks);
-            replies.push(queued.reply);
+            replies.push((queued.reply, queued.unawaited));
             acks.push(queued.acks);
         }
         if let Some(wait) = wait {

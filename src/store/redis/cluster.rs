@@ -26,7 +26,7 @@ use redis::{
 };
 
 use super::{
-    auto_pipeline::{Batch, BatchSink, Queued, Reply},
+    auto_pipeline::{Batch, BatchSink, Queued, Reply, Unawaited},
     replicas::{Replicas, Replied},
 };
 
@@ -114,12 +114,18 @@ impl Cluster {
         }
     }
 
-    /// Sends commands one by one, concurrently, each answered on its own.
-    async fn each_alone(&self, commands: Vec<(Cmd, Option<Replicas>, Reply)>) {
+    /// Sends commands one by one, concurrently, each answered on its own; a claim whose
+    /// caller stopped waiting is left out. A claim sent again after its pipeline failed
+    /// may otherwise arrive after the caller, having answered `503`, released the key:
+    /// it would hold the key, for a whole lease, for a request that is gone.
+    async fn each_alone(&self, commands: Vec<(Cmd, Option<Replicas>, Reply, Unawaited)>) {
         join_all(
             commands
                 .into_iter()
-                .map(|(command, acks, reply)| async move {
+                .filter(|(_, _, reply, unawaited)| {
+                    *unawaited == Unawaited::Send || !reply.is_closed()
+                })
+                .map(|(command, acks, reply, _)| async move {
                     let _ = reply.send(self.alone(&command, acks).await);
                 }),
         )
@@ -131,7 +137,7 @@ impl Cluster {
         let Some((host, port)) = master else {
             let alone = group
                 .into_iter()
-                .map(|queued| (queued.command, queued.acks, queued.reply))
+                .map(|queued| (queued.command, queued.acks, queued.reply, queued.unawaited))
                 .collect();
             return self.each_alone(alone).await;
         };
@@ -153,18 +159,20 @@ impl Cluster {
         let again: Vec<_> = match answered {
             Ok(results) => commands
                 .zip(results)
-                .filter_map(|(((command, acks), reply), result)| match result {
-                    Err(error) if redirected(&error) => Some((command, acks, reply)),
-                    result => {
-                        let _ = reply.send(result);
-                        None
-                    }
-                })
+                .filter_map(
+                    |(((command, acks), (reply, unawaited)), result)| match result {
+                        Err(error) if redirected(&error) => Some((command, acks, reply, unawaited)),
+                        result => {
+                            let _ = reply.send(result);
+                            None
+                        }
+                    },
+                )
                 .collect(),
             // The master is gone or unreachable: the cluster connection finds its slots'
             // new master for each command.
             Err(_) => commands
-                .map(|((command, acks), reply)| (command, acks, reply))
+                .map(|((command, acks), (reply, unawaited))| (command, acks, reply, unawaited))
                 .collect(),
         };
         if !again.is_empty() {

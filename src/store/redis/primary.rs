@@ -186,7 +186,7 @@ impl BatchSink for Primary {
             .and_then(|values| batch.results(values));
         match answered {
             Ok(results) => {
-                for (result, reply) in results.into_iter().zip(batch.replies) {
+                for (result, (reply, _)) in results.into_iter().zip(batch.replies) {
                     if let Err(error) = &result {
                         self.suspect(error);
                     }
@@ -195,7 +195,7 @@ impl BatchSink for Primary {
             }
             Err(error) => {
                 self.suspect(&error);
-                for reply in batch.replies {
+                for (reply, _) in batch.replies {
                     let _ = reply.send(Err(error.clone()));
                 }
             }
