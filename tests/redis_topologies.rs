@@ -1910,3 +1910,92 @@ async fn a_claim_timed_out_and_released_is_not_sent_again_to_hold_the_key() {
     );
     assert_eq!(handler.executions(), 1);
 }
+
+/// `total_connections_received` of one server.
+fn connections_received(port: u16, cli: impl Fn(u16, &[&str]) -> String) -> u64 {
+    let stats = cli(port, &["INFO", "stats"]);
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix("total_connections_received:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("total_connections_received")
+}
+
+/// The store asked Redis its `proto-max-bulk-len` once, of the primary it first wrote a
+/// large record to, and kept the answer for good. Sentinel then fails over to a server
+/// whose limit is lower (1 MiB): a 2 MB record was sent to it, and Redis answered with a
+/// protocol error and closed the connection; with replicas to wait for, the `WAIT` behind
+/// the record hid that answer, so the store never learnt, and the layer sent the record
+/// again and again (each time closing the connection every request shares) until the
+/// lease gave up. The new primary is now asked: the record is refused unsent at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "starts its own Sentinel set: scripts/test.sh"]
+async fn the_value_limit_is_asked_again_after_a_failover() {
+    use support::app::{self as app_support, post, router, send};
+
+    let mut set = blocking(SentinelSet::start).await;
+    let primary = set.primary_port();
+    let replica = set
+        .data_ports()
+        .into_iter()
+        .find(|&port| port != primary)
+        .unwrap();
+    set.cli(replica, &["CONFIG", "SET", "proto-max-bulk-len", "1mb"]);
+    let store = RedisStore::sentinel(set.sentinel_urls(), set.master_name())
+        .await
+        .expect("sentinel store")
+        .prefix(unique_prefix("limit-failover"))
+        .replicas(1, Duration::from_millis(300))
+        .replicas_best_effort();
+    let store: Arc<dyn Store> = Arc::new(store);
+    let handler = app_support::Handler::default();
+    let lease = Duration::from_secs(3);
+    let layer = app_support::layer(&store)
+        .max_response_body(4 << 20)
+        .lease(lease);
+    let app = router(&handler, layer);
+    let big = |key: &str| post("/pay").key(key).header("x-body-len", "2000000");
+    // On the first primary (512 MiB): recorded, replayed.
+    assert_eq!(send(&app, big("before")).await.status, StatusCode::CREATED);
+    assert!(send(&app, big("before")).await.replayed());
+    let (set, new_primary) = blocking(move || {
+        let old = set.kill_primary();
+        let new = set.wait_for_failover(old);
+        (set, new)
+    })
+    .await;
+    assert_eq!(new_primary, replica);
+    // The store follows the new primary.
+    let mut followed = false;
+    for n in 0..100 {
+        let small = send(&app, post("/pay").key(&format!("small-{n}"))).await;
+        if small.status == StatusCode::CREATED {
+            followed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(followed, "the store never reached the new primary");
+    let connections_before = connections_received(new_primary, |p, a| set.cli(p, a));
+    let started = Instant::now();
+    let after = tokio::time::timeout(Duration::from_secs(30), send(&app, big("after")))
+        .await
+        .expect("answered");
+    let took = started.elapsed();
+    // Less the connection that reads the count.
+    let reconnections =
+        connections_received(new_primary, |p, a| set.cli(p, a)) - connections_before - 1;
+    let executions = handler.executions();
+    // Past the lease: a record given up would leave the key to the next retry.
+    tokio::time::sleep(lease + Duration::from_millis(500)).await;
+    let retry = send(&app, big("after")).await;
+    let executed_again = handler.executions() - executions;
+    assert_eq!(after.status, StatusCode::CREATED);
+    assert_eq!(executed_again, 0, "the retry executed again: {retry:?}");
+    assert!(
+        took < Duration::from_secs(1) && reconnections == 0,
+        "the record past the new primary's limit took {took:?} and made the store reconnect \
+         {reconnections} times"
+    );
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+}

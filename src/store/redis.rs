@@ -13,7 +13,7 @@ use std::{
     fmt,
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
-        Arc, LazyLock,
+        Arc, LazyLock, Mutex, PoisonError,
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -282,9 +282,12 @@ pub struct RedisStore {
     /// The largest value the server takes in one argument ([`RedisStore::max_value_len`]),
     /// lowered when the server refuses a longer one.
     max_value_len: Arc<AtomicUsize>,
-    /// Set once the server has answered what its `proto-max-bulk-len` is (or that it will
-    /// not say), or when it need not be asked ([`RedisStore::max_value_len`]).
-    value_limit_known: Arc<OnceCell<()>>,
+    /// Whether the server that the store writes to has answered what its
+    /// `proto-max-bulk-len` is (or that it will not say); asked again of each server a
+    /// failover makes primary, unless told ([`RedisStore::max_value_len`]).
+    value_limit_known: Arc<Mutex<ValueLimitKnown>>,
+    /// Whether the value limit was told ([`RedisStore::max_value_len`]): never asked.
+    value_limit_told: bool,
     /// The bytes of completions held to write again for their replicas
     /// ([`pending_acknowledgements`](Self::pending_acknowledgements)).
     acks_pending: Arc<AtomicUsize>,
@@ -470,7 +473,8 @@ impl RedisStore {
             signer: None,
             database: 0,
             max_value_len: Arc::new(AtomicUsize::new(DEFAULT_MAX_VALUE_LEN)),
-            value_limit_known: Arc::new(OnceCell::new()),
+            value_limit_known: Arc::default(),
+            value_limit_told: false,
             acks_pending: Arc::new(AtomicUsize::new(0)),
         }
     }
@@ -760,7 +764,9 @@ impl RedisStore {
     /// Unless this is set, the store asks the server its `proto-max-bulk-len` (`CONFIG
     /// GET`, on the node that holds the key) before the first record past 1 MiB, the least
     /// Redis may be set to; records wait for that one question, and one left unanswered
-    /// fails with nothing sent, to be asked again by the next. Where the server will not
+    /// fails with nothing sent, to be asked again by the next. Behind Sentinel, each server
+    /// a failover makes primary is asked again; in a Cluster, the first node asked answers
+    /// for all (set this where nodes differ). Where the server will not
     /// say (a user without the right, a managed service that hides `CONFIG`; logged) and
     /// its limit is lower, the first record past it is sent and refused, and the store
     /// keeps below that length from then on; with [`replicas`](Self::replicas), whose
@@ -789,7 +795,7 @@ impl RedisStore {
             "RedisStore::max_value_len must be more than zero: no record could be written"
         );
         self.max_value_len = Arc::new(AtomicUsize::new(bytes));
-        self.value_limit_known = Arc::new(OnceCell::from(()));
+        self.value_limit_told = true;
         self
     }
 
@@ -892,7 +898,27 @@ impl RedisStore {
     /// answers that it will not say (no right to `CONFIG`, a managed service that hides
     /// it) leaves the default, and the store learns from a refusal where it can.
     async fn know_value_limit(&self, key: &str) -> Result<()> {
-        let known = self.value_limit_known.get_or_try_init(|| async {
+        if self.value_limit_told {
+            return Ok(());
+        }
+        let answered = {
+            let mut known = self
+                .value_limit_known
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let server = self.server();
+            if known.server != server {
+                // A failover made another server primary: its limit may differ.
+                *known = ValueLimitKnown {
+                    server,
+                    answered: Arc::default(),
+                };
+                self.max_value_len
+                    .store(DEFAULT_MAX_VALUE_LEN, Ordering::Relaxed);
+            }
+            Arc::clone(&known.answered)
+        };
+        let known = answered.get_or_try_init(|| async {
             let mut ask = redis::cmd("CONFIG");
             ask.arg("GET").arg("proto-max-bulk-len");
             let asked = self.query::<HashMap<String, u64>>(ask, key, Unawaited::Skip, false);
@@ -924,6 +950,16 @@ impl RedisStore {
             Err(_) => Err(Error::Unavailable(Box::new(RedisStoreError::Redis(
                 auto_pipeline::timed_out(self.timeout),
             )))),
+        }
+    }
+
+    /// Which server the store writes to: changes as it follows Sentinel through a
+    /// failover (never for a fixed server, nor for a cluster, whose nodes are not told
+    /// apart here).
+    fn server(&self) -> u64 {
+        match &*self.commands {
+            Commands::Node(primary) => primary.sink().server(),
+            Commands::Cluster(_) => 0,
         }
     }
 
@@ -1402,6 +1438,14 @@ impl fmt::Debug for RedisStore {
             .field("max_value_len", &self.max_value_len.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
+}
+
+/// Whether the server the store writes to (by its number) has answered what its value
+/// limit is.
+#[derive(Default)]
+struct ValueLimitKnown {
+    server: u64,
+    answered: Arc<OnceCell<()>>,
 }
 
 /// Bytes counted in a store's [`RedisStore::pending_acknowledgements`] while held.

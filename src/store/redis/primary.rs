@@ -9,7 +9,7 @@
 
 use std::{
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc, PoisonError, RwLock,
     },
     time::Duration,
@@ -30,6 +30,8 @@ const RESOLVE_INTERVAL: Duration = Duration::from_millis(100);
 /// The server a store writes to.
 pub(super) struct Primary {
     connection: RwLock<Current>,
+    /// How many times the store has followed Sentinel to another server.
+    followed: AtomicU64,
     sentinel: Option<Follower>,
     /// The database of the primary's client (0 for a fixed server's connection, which does
     /// not tell).
@@ -57,6 +59,7 @@ impl Primary {
                 connection,
                 address: None,
             }),
+            followed: AtomicU64::new(0),
             sentinel: None,
             database: 0,
         }
@@ -76,6 +79,7 @@ impl Primary {
                 connection,
                 address: Some(address),
             }),
+            followed: AtomicU64::new(0),
             sentinel: Some(Follower {
                 client: tokio::sync::Mutex::new(client),
                 config,
@@ -88,6 +92,12 @@ impl Primary {
     /// The database the keys are in, as far as the client tells.
     pub(super) fn database(&self) -> i64 {
         self.database
+    }
+
+    /// Which server the store writes to: a number that changes each time it follows
+    /// Sentinel to another one (never, for a fixed server).
+    pub(super) fn server(&self) -> u64 {
+        self.followed.load(Ordering::Acquire)
     }
 
     /// A client for the primary the sentinels name now (for a connection of another kind
@@ -160,6 +170,7 @@ impl Primary {
             connection,
             address: Some(address),
         };
+        self.followed.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
 }
