@@ -329,16 +329,17 @@ enum Called<B: Body> {
 /// at least a second, and no later than the lease runs out (when a crashed holder's key
 /// frees itself). Unknown running time counts as none: ask again soon.
 ///
-/// Nor later than the record is kept (`ttl`, in the whole seconds `Retry-After` rounds up
-/// to): the holder may complete right after this answer, and a duplicate that came back
-/// when told must find its record, not execute again.
+/// Nor later than half the time the record is kept (`ttl`, in the whole seconds
+/// `Retry-After` rounds up to, at least one): the holder may complete right after this
+/// answer, and a duplicate that comes back when told, however late on the way, must find
+/// its record, not execute again. (A TTL under two seconds cannot be kept so.)
 fn retry_after(
     running_for: Option<Duration>,
     lease_remaining: Duration,
     ttl: Duration,
 ) -> Duration {
     let soonest = Duration::from_secs(1);
-    let kept = Duration::from_secs(ttl.as_secs());
+    let kept = Duration::from_secs(ttl.as_secs() / 2);
     running_for
         .unwrap_or_default()
         .max(soonest)
@@ -369,10 +370,11 @@ mod tests {
     fn retry_after_never_outlasts_the_record() {
         let secs = Duration::from_secs;
         let lease = secs(29);
-        assert_eq!(retry_after(Some(secs(7)), lease, secs(5)), secs(5));
-        // In the whole seconds the header rounds up to: 2.5 s of TTL is told as 2.
-        let told = retry_after(Some(secs(7)), lease, Duration::from_millis(2500));
+        assert_eq!(retry_after(Some(secs(7)), lease, secs(10)), secs(5));
+        // In the whole seconds the header rounds up to: half of 5.5 s of TTL is told as 2.
+        let told = retry_after(Some(secs(7)), lease, Duration::from_millis(5500));
         assert_eq!(told, secs(2));
+        // At least a second, whatever the TTL.
         assert_eq!(
             retry_after(Some(secs(7)), lease, Duration::from_millis(300)),
             secs(1)

@@ -307,7 +307,9 @@ impl IdempotencyLayer {
     ///
     /// Keep it longer than clients retry for: a retry that comes after it executes again.
     /// The `Retry-After` of a `409 request_in_progress` never says to come back later than
-    /// it (in whole seconds, at least one).
+    /// half of it (in whole seconds, at least one), so that a duplicate back when told finds
+    /// the record even if the holder completed right after telling it, unless the TTL is
+    /// under two seconds.
     ///
     /// # Panics
     ///
