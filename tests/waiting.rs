@@ -544,3 +544,53 @@ async fn held_past_its_lease_read_with_backoff(inner: Arc<dyn Store>) {
     assert_eq!(original.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(handler.executions(), 1);
 }
+
+/// Claims as slow on their way as `delay_ms` says (a read of a held key on a busy link).
+#[derive(Debug, Default)]
+struct SlowClaims {
+    delay_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Hooks for SlowClaims {
+    fn claim_delay(&self) -> Duration {
+        Duration::from_millis(self.delay_ms.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+/// The original completes on one instance 200 ms before the bound of a duplicate waiting on
+/// another (woken by Redis's message, so it reads the key), whose read takes 400 ms: the
+/// record is there, and the duplicate gets the replay, as one woken by nothing does (it
+/// reads once more past its bound). Cut off at its bound, the read answered `409` in
+/// progress.
+#[tokio::test]
+#[ignore = "needs Redis: scripts/test.sh"]
+async fn a_waiter_woken_just_before_its_bound_gets_the_replay() {
+    let prefix = support::unique_prefix("woken-late");
+    let open = || async {
+        RedisStore::open(&support::redis_url())
+            .await
+            .unwrap()
+            .prefix(prefix.clone())
+            .announce_outcomes()
+    };
+    let original_store: Arc<dyn Store> = Arc::new(open().await);
+    let waiting_store = Wrapped::new(Arc::new(open().await), SlowClaims::default());
+    let handler = Handler::default();
+    let original_app = router(&handler, layer(&original_store));
+    let waiting_app = router(
+        &handler,
+        layer(&(waiting_store.clone() as Arc<dyn Store>))
+            .wait_for_original(Duration::from_millis(1000)),
+    );
+    let original = spawn_send(&original_app, post_waiting("late"));
+    until_executing(&handler, 1).await;
+    let duplicate = spawn_send(&waiting_app, post("/pay").key("late"));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let slow = &waiting_store.hooks.delay_ms;
+    slow.store(400, std::sync::atomic::Ordering::SeqCst);
+    handler.gate.add_permits(1);
+    original.await.unwrap().assert_executed();
+    let duplicate = duplicate.await.unwrap();
+    assert!(duplicate.replayed(), "{duplicate:?}");
+    assert_eq!(handler.executions(), 1);
+}

@@ -97,18 +97,17 @@ where
     let mut watch = watching.ok().and_then(Result::ok).flatten();
     let mut poll = FIRST_POLL;
     let mut announced = false;
-    // The key as last read: in progress, held by this request's own fingerprint.
-    let mut last_read = None;
     loop {
         // The waiters one announcement wakes read the key once between them. Within this
         // waiter's own bound: a shared read that fails passes to the next waiter in line,
-        // and the last would otherwise wait for every failed read before its own.
+        // and the last would otherwise wait for every failed read before its own. Past the
+        // bound, the waiter reads once more on its own, as one woken by nothing does.
         let found = match watch.as_ref() {
             Some(watch) if announced => {
                 let shared = watch.read_shared(fingerprint, lease, &mut claim);
                 match tokio::time::timeout_at(deadline, shared).await {
                     Ok(found) => found,
-                    Err(_) => return Ok(still_in_progress(fingerprint, last_read)),
+                    Err(_) => claim().await,
                 }
             }
             _ => claim().await,
@@ -118,11 +117,8 @@ where
             Ok(Claim::InProgress {
                 fingerprint: theirs,
                 lease_remaining,
-                running_for,
-            }) if *theirs == fingerprint => {
-                last_read = Some((now, *lease_remaining, *running_for));
-                *lease_remaining
-            }
+                ..
+            }) if *theirs == fingerprint => *lease_remaining,
             // Claimed, completed, taken by another request, or the store failed: the
             // caller answers as it would have at first.
             _ => return found,
@@ -149,22 +145,6 @@ where
         if overdue || watch.is_none() {
             poll = (poll * 2).min(LAST_POLL);
         }
-    }
-}
-
-/// The key as this waiter last read it (`(when, lease left, running for)`), that much
-/// older: what a waiter whose bound passed before a read it joined answered is answered with.
-fn still_in_progress(
-    fingerprint: Fingerprint,
-    last_read: Option<(Instant, Duration, Option<Duration>)>,
-) -> Claim {
-    let (read_at, lease_remaining, running_for) =
-        last_read.unwrap_or((Instant::now(), Duration::ZERO, None));
-    let since = read_at.elapsed();
-    Claim::InProgress {
-        fingerprint,
-        lease_remaining: lease_remaining.saturating_sub(since),
-        running_for: running_for.map(|ran| ran + since),
     }
 }
 

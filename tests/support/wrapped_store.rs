@@ -36,6 +36,11 @@ pub trait Hooks: Debug + Send + Sync + 'static {
     fn claimed(&self, claim: Claim) -> Claim {
         claim
     }
+
+    /// How long a claim takes on its way, before it is sent.
+    fn claim_delay(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// Counts the claims sent: each a read of the key when it is held.
@@ -79,6 +84,10 @@ impl<H: Hooks> Store for Wrapped<H> {
         lease: Duration,
     ) -> Result<Claim> {
         self.hooks.before(Operation::Claim)?;
+        let delay = self.hooks.claim_delay();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         let inner = &self.inner;
         let claim = inner
             .claim_with_token(scope, fingerprint, token, lease)
