@@ -1614,3 +1614,53 @@ async fn an_unknown_error_code_to_config_settles_the_value_limit_question() {
          retry {retry:?}"
     );
 }
+
+/// `BUSY` (a script running past `busy-reply-threshold`) is transient, though redis-rs files
+/// it as `ErrorKind::Extension`, whose retry method is `NoRetry`: it must leave the
+/// value-limit question open. Taken for an answer, the server's real limit (1 MiB) was
+/// never asked, and a 2 MB record was sent to it (closing the connection) rather than
+/// refused unsent.
+#[tokio::test]
+#[ignore = "needs redis-server: scripts/test.sh"]
+async fn a_busy_server_does_not_settle_the_value_limit_question() {
+    let server = RedisServer::start();
+    server.cli(&["CONFIG", "SET", "proto-max-bulk-len", "1mb"]);
+    server.cli(&["CONFIG", "SET", "busy-reply-threshold", "100"]);
+    let store = RedisStore::open(&server.url()).await.unwrap();
+    let scope = scope("busy");
+    let token = claimed(&store, &scope, fingerprint(7), Duration::from_secs(30)).await;
+    let response = big_response(2_000_000);
+    let complete = || {
+        store.complete(
+            &scope,
+            token,
+            fingerprint(7),
+            &response,
+            Duration::from_secs(60),
+        )
+    };
+    // A script busy for 1.5 s.
+    let mut script = std::process::Command::new("redis-cli")
+        .args(["-p", &server.port().to_string(), "EVAL"])
+        .arg("local s = redis.call('TIME') local t = s[1] * 1000000 + s[2] while true do local n = redis.call('TIME') if n[1] * 1000000 + n[2] - t > 1500000 then break end end return 1")
+        .arg("0")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    sleep(Duration::from_millis(400)).await;
+    let during = complete().await;
+    script.wait().unwrap();
+    // The layer's retry of the same completion, the server no longer busy.
+    let after = complete().await;
+    let stats = server.cli(&["INFO", "commandstats"]);
+    let config_get = stats
+        .lines()
+        .find(|line| line.starts_with("cmdstat_config|get"))
+        .unwrap_or("none")
+        .to_owned();
+    assert!(
+        !format!("{during:?}").contains("invalid bulk length")
+            && format!("{store:?}").contains("max_value_len: 1048576"),
+        "during: {during:?}; after: {after:?}; CONFIG GET: {config_get}; {store:?}"
+    );
+}

@@ -924,16 +924,20 @@ impl RedisStore {
             let asked = self.query::<HashMap<String, u64>>(ask, key, Unawaited::Skip, false);
             match asked.await.map(|answer| answer.reply.into_values().next()) {
                 Ok(Some(limit)) => {
-                    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-                    self.max_value_len.fetch_min(limit, Ordering::Relaxed);
+                    // Unless a failover has made another server primary meanwhile: this
+                    // answer is no longer the limit of the server written to.
+                    let known = self
+                        .value_limit_known
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    if Arc::ptr_eq(&known.answered, &answered) {
+                        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+                        self.max_value_len.fetch_min(limit, Ordering::Relaxed);
+                    }
                     Ok(())
                 }
                 Ok(None) => Ok(()),
-                // An answer that is no limit: an error of the server's (one the client
-                // library names or not: a proxy's own code) or a reply of another shape.
-                // Only what asking again could change (a dropped connection, a timeout, a
-                // `TRYAGAIN` or `LOADING`) leaves the question open.
-                Err(error) if matches!(error.retry_method(), redis::RetryMethod::NoRetry) => {
+                Err(error) if declines_to_say(&error) => {
                     tracing::warn!(
                         %error,
                         "Redis would not say its proto-max-bulk-len: a record past it closes the connection until one is refused, or, with replicas to wait for, each time (set RedisStore::max_value_len)"
@@ -1437,6 +1441,31 @@ impl fmt::Debug for RedisStore {
             .field("timeout", &self.timeout)
             .field("max_value_len", &self.max_value_len.load(Ordering::Relaxed))
             .finish_non_exhaustive()
+    }
+}
+
+/// Whether `error`, the answer to `CONFIG GET proto-max-bulk-len`, is the server's
+/// refusal to say (no right to `CONFIG`, a managed service or a proxy that hides it, with
+/// an error code the client library names or not) or a reply of another shape: not what
+/// asking again could change (a dropped connection, a timeout, the store's own failure,
+/// or a server busy, loading or failing over).
+fn declines_to_say(error: &redis::RedisError) -> bool {
+    const TRANSIENT: [&str; 7] = [
+        "BUSY",
+        "LOADING",
+        "TRYAGAIN",
+        "MASTERDOWN",
+        "CLUSTERDOWN",
+        "READONLY",
+        "NOREPLICAS",
+    ];
+    let transient = error.code().is_some_and(|code| TRANSIENT.contains(&code));
+    match error.kind() {
+        ErrorKind::Server(_) | ErrorKind::Extension => {
+            !transient && matches!(error.retry_method(), redis::RetryMethod::NoRetry)
+        }
+        ErrorKind::UnexpectedReturnType => true,
+        _ => false,
     }
 }
 
