@@ -508,6 +508,7 @@ impl Drop for AbandonedClaim<'_> {
         let releasing = async move {
             if let Err(error) = lease.give_back().await {
                 tracing::warn!(%error, "could not release an abandoned claim: it frees itself when its lease runs out");
+                lease.abandon();
             }
         };
         runtime.spawn(releasing.instrument(tracing::Span::current()));
