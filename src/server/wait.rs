@@ -98,21 +98,12 @@ where
     let mut poll = FIRST_POLL;
     let mut announced = false;
     loop {
-        // The waiters one announcement wakes read the key once between them. Within this
-        // waiter's own bound: a shared read that fails passes to the next waiter in line,
-        // and the last would otherwise wait for every failed read before its own. Past the
-        // bound, the waiter reads once more on its own, as one woken by nothing does.
+        // The waiters one announcement wakes read the key once between them: a read that
+        // fails fails them all, so none waits past its bound for more than that one read.
         let found = match watch.as_ref() {
-            Some(watch) if announced => {
-                let shared = watch.read_shared(fingerprint, lease, &mut claim);
-                match tokio::time::timeout_at(deadline, shared).await {
-                    Ok(found) => found,
-                    Err(_) => claim().await,
-                }
-            }
+            Some(watch) if announced => watch.read_shared(fingerprint, lease, &mut claim).await,
             _ => claim().await,
         };
-        let now = Instant::now();
         let lease_remaining = match &found {
             Ok(Claim::InProgress {
                 fingerprint: theirs,
@@ -123,6 +114,7 @@ where
             // caller answers as it would have at first.
             _ => return found,
         };
+        let now = Instant::now();
         if now >= deadline {
             return found;
         }

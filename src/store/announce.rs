@@ -83,7 +83,10 @@ struct Ends {
 /// (for the other waiters: a claim it won is the key in progress).
 struct SharedRead {
     changes: u64,
-    found: tokio::sync::OnceCell<Claim>,
+    /// What the read found, or that it failed: a failed read fails every waiter that
+    /// joined it, rather than passing to the next, which would make the last wait for
+    /// every failed read before its own.
+    found: tokio::sync::OnceCell<std::result::Result<Claim, ()>>,
 }
 
 /// A watch on one key's record, made by [`Announcements::watch`] (through
@@ -230,7 +233,7 @@ impl Announcements {
         let changes = slot.changes.load(Ordering::Acquire) + 1;
         let read = SharedRead {
             changes,
-            found: tokio::sync::OnceCell::new_with(Some(completed)),
+            found: tokio::sync::OnceCell::new_with(Some(Ok(completed))),
         };
         *lock(&slot.last_read) = Some(Arc::new(read));
         // Counted once the finding is in place: a waiter that sees the change finds it.
@@ -390,8 +393,9 @@ impl Watch {
             }
         };
         // One waiter reads; the others wait for its finding, all woken together when it
-        // has one, whether they wait here or still for the announcement. (Should its read
-        // fail, or its request go away, the next tries.)
+        // has one, whether they wait here or still for the announcement. (Should its
+        // request go away, the next tries; should its read fail, every waiter that joined
+        // it fails with it, as a read of its own would have, within one store timeout.)
         let reader = PassOn {
             announced: &self.slot.announced,
             read: AtomicBool::new(false),
@@ -399,7 +403,7 @@ impl Watch {
         let mut own = None;
         let found = shared
             .found
-            .get_or_try_init(|| async {
+            .get_or_init(|| async {
                 reader.read.store(true, Ordering::Relaxed);
                 let found = read().await;
                 let shared = match &found {
@@ -419,7 +423,6 @@ impl Watch {
         match (own, found) {
             (Some(own), _) => own,
             (None, Ok(found)) => Ok(found.clone()),
-            // A failed read ends only its own reader's init; kept total all the same.
             (None, Err(())) => Err(Error::Backend("the shared read of the key failed".into())),
         }
     }
