@@ -1484,10 +1484,9 @@ async fn waiters_joining_a_failing_shared_read_keep_their_bound() {
 }
 
 /// A TCP proxy to `upstream` that forwards every command unchanged, but `CONFIG …`, which it
-/// turns into a script answering `-UNSUPPORTED command 'CONFIG'` (an error code of its own,
-/// as a proxy or managed service that hides `CONFIG` may answer). Returns its port and the
-/// count of `CONFIG` commands it saw.
-async fn config_hiding_proxy(upstream: u16) -> (u16, Arc<AtomicUsize>) {
+/// turns into `script`, the answer a proxy or managed service that hides `CONFIG` may give.
+/// Returns its port and the count of `CONFIG` commands it saw.
+async fn config_hiding_proxy(upstream: u16, script: &'static str) -> (u16, Arc<AtomicUsize>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -1515,7 +1514,6 @@ async fn config_hiding_proxy(upstream: u16) -> (u16, Arc<AtomicUsize>) {
                     while let Some((len, first)) = first_command(&buffer) {
                         if first.eq_ignore_ascii_case(b"config") {
                             asked.fetch_add(1, Ordering::SeqCst);
-                            let script = "return redis.error_reply('UNSUPPORTED command CONFIG')";
                             let eval = format!(
                                 "*3\r\n$4\r\nEVAL\r\n${}\r\n{script}\r\n$1\r\n0\r\n",
                                 script.len()
@@ -1574,20 +1572,29 @@ fn first_command(buffer: &[u8]) -> Option<(usize, Vec<u8>)> {
     Some((at, first.unwrap_or_default()))
 }
 
-/// A server that will not say its `proto-max-bulk-len` with an error code the `redis` crate
-/// does not know (`ErrorKind::Extension`, not `ErrorKind::Server`) will not say: asked once,
-/// and the record written. Taken for unanswered, the question was asked again by every
-/// attempt at every record past 1 MiB, each failing (`Unavailable`) until the store had
-/// applied every renewal for a lease, and the record ended up refused: a 2 MB response the
-/// server would take, its client waiting a lease and more, every retry `409
-/// response_not_replayable`.
+/// A server that will not say its `proto-max-bulk-len`, with an error code the `redis` crate
+/// does not know (`ErrorKind::Extension`, not `ErrorKind::Server`) or with a reply of
+/// another shape, has answered: asked once, and the record written. Taken for unanswered,
+/// the question was asked again by every attempt at every record past 1 MiB, each failing
+/// (`Unavailable`) until the store had applied every renewal for a lease, and the record
+/// ended up refused: a 2 MB response the server would take, its client waiting a lease and
+/// more, every retry `409 response_not_replayable`.
 #[tokio::test]
 #[ignore = "needs redis-server: scripts/test.sh"]
 async fn an_unknown_error_code_to_config_settles_the_value_limit_question() {
+    for script in [
+        "return redis.error_reply('UNSUPPORTED command CONFIG')",
+        "return redis.status_reply('OK')",
+    ] {
+        config_answered_so(script).await;
+    }
+}
+
+async fn config_answered_so(script: &'static str) {
     use support::app::{self as app, post, router, send};
 
     let server = RedisServer::start();
-    let (port, asked) = config_hiding_proxy(server.port()).await;
+    let (port, asked) = config_hiding_proxy(server.port(), script).await;
     let store = RedisStore::open(&format!("redis://127.0.0.1:{port}/"))
         .await
         .unwrap();
@@ -1610,8 +1617,8 @@ async fn an_unknown_error_code_to_config_settles_the_value_limit_question() {
     assert_eq!(handler.executions(), 2);
     assert!(
         retry.replayed() && took < Duration::from_secs(1) && asked == 1,
-        "recorded at once after one question: took {took:?}, CONFIG asked {asked} times, \
-         retry {retry:?}"
+        "{script}: recorded at once after one question: took {took:?}, CONFIG asked {asked} \
+         times, retry {retry:?}"
     );
 }
 

@@ -921,9 +921,16 @@ impl RedisStore {
         let known = answered.get_or_try_init(|| async {
             let mut ask = redis::cmd("CONFIG");
             ask.arg("GET").arg("proto-max-bulk-len");
-            let asked = self.query::<HashMap<String, u64>>(ask, key, Unawaited::Skip, false);
-            match asked.await.map(|answer| answer.reply.into_values().next()) {
-                Ok(Some(limit)) => {
+            let asked = self.query::<redis::Value>(ask, key, Unawaited::Skip, false);
+            // Read here rather than by the query: a reply of another shape (a proxy's) is
+            // the server's answer too, that it will not say, where a failure to read the
+            // reply stream is not.
+            let limit = asked.await.map(|answer| {
+                redis::from_redis_value::<HashMap<String, u64>>(answer.reply)
+                    .map(|limits| limits.into_values().next())
+            });
+            match limit {
+                Ok(Ok(Some(limit))) => {
                     // Unless a failover has made another server primary meanwhile: this
                     // answer is no longer the limit of the server written to.
                     let known = self
@@ -936,12 +943,13 @@ impl RedisStore {
                     }
                     Ok(())
                 }
-                Ok(None) => Ok(()),
+                Ok(Ok(None)) => Ok(()),
+                Ok(Err(error)) => {
+                    declined(&error);
+                    Ok(())
+                }
                 Err(error) if declines_to_say(&error) => {
-                    tracing::warn!(
-                        %error,
-                        "Redis would not say its proto-max-bulk-len: a record past it closes the connection until one is refused, or, with replicas to wait for, each time (set RedisStore::max_value_len)"
-                    );
+                    declined(&error);
                     Ok(())
                 }
                 Err(error) => Err(Error::Unavailable(Box::new(RedisStoreError::Redis(error)))),
@@ -1446,9 +1454,9 @@ impl fmt::Debug for RedisStore {
 
 /// Whether `error`, the answer to `CONFIG GET proto-max-bulk-len`, is the server's
 /// refusal to say (no right to `CONFIG`, a managed service or a proxy that hides it, with
-/// an error code the client library names or not) or a reply of another shape: not what
-/// asking again could change (a dropped connection, a timeout, the store's own failure,
-/// or a server busy, loading or failing over).
+/// an error code the client library names or not): not what asking again could change (a
+/// dropped connection, a timeout, the store's own failure, or a server busy, loading or
+/// failing over).
 fn declines_to_say(error: &redis::RedisError) -> bool {
     const TRANSIENT: [&str; 7] = [
         "BUSY",
@@ -1464,9 +1472,17 @@ fn declines_to_say(error: &redis::RedisError) -> bool {
         ErrorKind::Server(_) | ErrorKind::Extension => {
             !transient && matches!(error.retry_method(), redis::RetryMethod::NoRetry)
         }
-        ErrorKind::UnexpectedReturnType => true,
         _ => false,
     }
+}
+
+/// Logs that the server would not say its `proto-max-bulk-len`, as `error` shows.
+#[cold]
+fn declined(error: &dyn fmt::Display) {
+    tracing::warn!(
+        %error,
+        "Redis would not say its proto-max-bulk-len: a record past it closes the connection until one is refused, or, with replicas to wait for, each time (set RedisStore::max_value_len)"
+    );
 }
 
 /// Whether the server the store writes to (by its number) has answered what its value
