@@ -749,21 +749,10 @@ impl Hooks for RefusesCompletions {
 /// the refused completion never reached, is rolled back with it: it stayed open, holding
 /// the key (every retry got 409 in progress), the handler's writes and a connection.
 async fn a_completion_the_store_refuses_rolls_back_at_once(driver: Driver) {
-    let service = Service::new(driver).await;
     let refusing = RefusesCompletions {
         refusing: true.into(),
     };
-    let wrapped = Wrapped::new(Arc::new(service.store.clone()), refusing);
-    let route = match driver {
-        Driver::TokioPostgres => post(create_order::<PostgresTransaction>),
-        Driver::Sqlx => post(create_order::<SqlxTransaction>),
-    };
-    let layer = IdempotencyLayer::from_shared(wrapped.clone())
-        .allow_anonymous()
-        .lease(Duration::from_secs(60));
-    let app = Router::new()
-        .route("/orders", route.layer(layer))
-        .with_state(service.orders.clone());
+    let (service, app, wrapped) = wrapped_service(driver, refusing, Duration::from_secs(60)).await;
     let order = || request("/orders").key("refused").body("{}");
     let first = tokio::time::timeout(Duration::from_secs(10), send(&app, order()))
         .await
@@ -802,11 +791,11 @@ impl Hooks for FailsInFront {
 }
 
 /// The orders service behind a transactional layer whose store is wrapped in `hooks`.
-async fn wrapped_service(
+async fn wrapped_service<H: Hooks>(
     driver: Driver,
-    hooks: FailsInFront,
+    hooks: H,
     lease: Duration,
-) -> (Service, Router, Arc<Wrapped<FailsInFront>>) {
+) -> (Service, Router, Arc<Wrapped<H>>) {
     let service = Service::new(driver).await;
     let wrapped = Wrapped::new(Arc::new(service.store.clone()), hooks);
     let route = match driver {

@@ -254,17 +254,17 @@ impl Lease {
                 refused: true,
             });
         }
-        let refusable = refusable && !self.shared.store.commits_handler_writes();
+        // A transaction holds the key while it is open, so a transactional store applies
+        // every renewal: the lease counts from the first failure there, or a write that
+        // never reached the store (a wrapper's refusal) would be retried for ever.
+        let transactional = self.shared.store.commits_handler_writes();
+        let refusable = refusable && !transactional;
         let retries = async {
             let lease = self.shared.config.lease;
             let failed_at = Instant::now();
             let mut answering = Answering::default();
             let mut error = first;
             let mut backoff = WRITE_RETRY_FIRST;
-            // A transaction holds the key while it is open, so a transactional store applies
-            // every renewal: the lease counts from the first failure there, or a write that
-            // never reached the store (a wrapper's refusal) would be retried for ever.
-            let transactional = self.shared.store.commits_handler_writes();
             loop {
                 let next = Instant::now() + backoff;
                 let renewals = self.renewals();

@@ -13,7 +13,7 @@ use std::{
     fmt,
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
-        Arc, LazyLock, Mutex, PoisonError,
+        Arc, LazyLock, Mutex, MutexGuard, PoisonError,
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -902,10 +902,7 @@ impl RedisStore {
             return Ok(());
         }
         let answered = {
-            let mut known = self
-                .value_limit_known
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut known = self.value_limit_known();
             let server = self.server();
             if known.server != server {
                 // A failover made another server primary: its limit may differ.
@@ -933,10 +930,7 @@ impl RedisStore {
                 Ok(Ok(Some(limit))) => {
                     // Unless a failover has made another server primary meanwhile: this
                     // answer is no longer the limit of the server written to.
-                    let known = self
-                        .value_limit_known
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner);
+                    let known = self.value_limit_known();
                     if Arc::ptr_eq(&known.answered, &answered) {
                         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
                         self.max_value_len.fetch_min(limit, Ordering::Relaxed);
@@ -963,6 +957,13 @@ impl RedisStore {
                 auto_pipeline::timed_out(self.timeout),
             )))),
         }
+    }
+
+    /// What the store knows of its server's value limit, locked.
+    fn value_limit_known(&self) -> MutexGuard<'_, ValueLimitKnown> {
+        self.value_limit_known
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Which server the store writes to: changes as it follows Sentinel through a

@@ -64,6 +64,14 @@ pub(super) enum Unawaited {
     Send,
 }
 
+impl Unawaited {
+    /// Whether a command still goes out, its caller having stopped waiting for `reply` or
+    /// not.
+    pub(super) fn sent(self, reply: &Reply) -> bool {
+        self == Self::Send || !reply.is_closed()
+    }
+}
+
 /// Sends commands through a [`BatchSink`], batching those issued together.
 pub(super) struct AutoPipeline<T> {
     sink: Arc<T>,
@@ -188,7 +196,7 @@ fn take_batch(first: Queued, commands: &mut mpsc::UnboundedReceiver<Queued>) -> 
             Err(_) => break,
         }
     }
-    batch.retain(|queued| queued.unawaited == Unawaited::Send || !queued.reply.is_closed());
+    batch.retain(|queued| queued.unawaited.sent(&queued.reply));
     batch
 }
 

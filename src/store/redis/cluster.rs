@@ -122,9 +122,7 @@ impl Cluster {
         join_all(
             commands
                 .into_iter()
-                .filter(|(_, _, reply, unawaited)| {
-                    *unawaited == Unawaited::Send || !reply.is_closed()
-                })
+                .filter(|(_, _, reply, unawaited)| unawaited.sent(reply))
                 .map(|(command, acks, reply, _)| async move {
                     let _ = reply.send(self.alone(&command, acks).await);
                 }),
