@@ -123,6 +123,7 @@ on_both_drivers!(
     a_duplicate_that_waits_is_woken_by_a_notification,
     a_completion_the_store_refuses_rolls_back_at_once,
     a_release_refused_in_front_of_the_store_still_rolls_back,
+    an_abandoned_claim_whose_release_is_refused_still_rolls_back,
     a_completion_failing_in_front_of_the_store_is_answered_within_the_lease,
 );
 
@@ -767,12 +768,13 @@ async fn a_completion_the_store_refuses_rolls_back_at_once(driver: Driver) {
     assert_eq!(service.rows().await, 1);
 }
 
-/// In front of the store (a wrapper of the application's): refuses releases, or fails
-/// completions as unavailable, while set.
+/// In front of the store (a wrapper of the application's): refuses releases, fails
+/// completions as unavailable, or loses the answers of claims the store applied, while set.
 #[derive(Debug, Default)]
 struct FailsInFront {
     refusing_releases: std::sync::atomic::AtomicBool,
     failing_completions: std::sync::atomic::AtomicBool,
+    losing_claim_answers: std::sync::atomic::AtomicBool,
 }
 
 impl Hooks for FailsInFront {
@@ -787,6 +789,14 @@ impl Hooks for FailsInFront {
             }
             _ => Ok(()),
         }
+    }
+
+    fn after_claim(&self) -> tower_idempotency::store::Result<()> {
+        if self.losing_claim_answers.load(Ordering::SeqCst) {
+            let lost = "the claim's answer was lost on its way back";
+            return Err(tower_idempotency::store::Error::Backend(lost.into()));
+        }
+        Ok(())
     }
 }
 
@@ -826,6 +836,26 @@ async fn a_release_refused_in_front_of_the_store_still_rolls_back(driver: Driver
     wrapped
         .hooks
         .refusing_releases
+        .store(false, Ordering::SeqCst);
+    rolled_back_then_the_retry_executes(&service, &app, order()).await;
+}
+
+/// A claim the store applied but whose answer was lost is released in the background;
+/// when that release is refused in front of the store, the claim is still abandoned and
+/// its transaction rolled back: it stayed open, holding the key (every retry 409 in
+/// progress) and a connection.
+async fn an_abandoned_claim_whose_release_is_refused_still_rolls_back(driver: Driver) {
+    let hooks = FailsInFront::default();
+    hooks.refusing_releases.store(true, Ordering::SeqCst);
+    hooks.losing_claim_answers.store(true, Ordering::SeqCst);
+    let (service, app, wrapped) = wrapped_service(driver, hooks, Duration::from_secs(60)).await;
+    let order = || request("/orders").key("lost-claim").body("{}");
+    let failed = send(&app, order()).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    // Releases stay refused: the retry completes, it releases nothing.
+    wrapped
+        .hooks
+        .losing_claim_answers
         .store(false, Ordering::SeqCst);
     rolled_back_then_the_retry_executes(&service, &app, order()).await;
 }

@@ -41,6 +41,12 @@ pub trait Hooks: Debug + Send + Sync + 'static {
     fn claim_delay(&self) -> Duration {
         Duration::ZERO
     }
+
+    /// After the store applied a claim: an error stands in for its answer, as for one
+    /// whose answer was lost on the way back.
+    fn after_claim(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Counts the claims sent: each a read of the key when it is held.
@@ -92,6 +98,7 @@ impl<H: Hooks> Store for Wrapped<H> {
         let claim = inner
             .claim_with_token(scope, fingerprint, token, lease)
             .await?;
+        self.hooks.after_claim()?;
         Ok(self.hooks.claimed(claim))
     }
 
