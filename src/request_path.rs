@@ -44,39 +44,72 @@ fn sent(parts: &Parts) -> &Uri {
 /// for `/orders/1`, which a router hands the same handler): every spelling of one path
 /// names one scope and one fingerprint, so such a retry replays instead of executing
 /// again. Reserved characters stay encoded: `%2F` is not `/`.
+///
+/// Bytes a URI may not hold raw, which `http` and hyper accept all the same (`é`, `{`,
+/// `"`, `|`), are percent-encoded: a router decodes `/orders/café` and
+/// `/orders/caf%C3%A9` to the same `café`, and a client library or proxy re-encoding a
+/// retry's path must not make it a second execution.
 #[inline]
 fn normalized(text: &str) -> Cow<'_, str> {
-    if text.as_bytes().contains(&b'%') {
-        Cow::Owned(rewritten(text))
-    } else {
+    if text.bytes().all(|byte| KEPT_AS_SENT[usize::from(byte)]) {
         Cow::Borrowed(text)
+    } else {
+        Cow::Owned(rewritten(text))
     }
 }
 
-/// [`normalized`] for text with a `%` in it: out of line, as most paths have none.
+/// The bytes a path or a query holds as they are (RFC 3986 §3.3, §3.4): unreserved
+/// characters, sub-delimiters, `:`, `@`, `/` and `?`. Not `%`, which starts a
+/// percent-encoding to normalize.
+const KEPT_AS_SENT: [bool; 256] = {
+    let mut kept = [false; 256];
+    let allowed = b"-._~!$&'()*+,;=:@/?";
+    let mut i = 0;
+    while i < allowed.len() {
+        kept[allowed[i] as usize] = true;
+        i += 1;
+    }
+    let mut byte = 0;
+    while byte < 128 {
+        if (byte as u8).is_ascii_alphanumeric() {
+            kept[byte] = true;
+        }
+        byte += 1;
+    }
+    kept
+};
+
+/// [`normalized`] for text with a `%` or a byte to encode in it: out of line, as most
+/// paths have neither.
 #[cold]
 #[inline(never)]
 fn rewritten(text: &str) -> String {
     let hex = |digit: Option<&u8>| (*digit? as char).to_digit(16);
+    let bytes = text.as_bytes();
     let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(at) = rest.find('%') {
-        out.push_str(&rest[..at]);
-        let encoded = &rest.as_bytes()[at..];
-        let (Some(high), Some(low)) = (hex(encoded.get(1)), hex(encoded.get(2))) else {
+    let mut at = 0;
+    while let Some(&byte) = bytes.get(at) {
+        at += 1;
+        if byte != b'%' {
+            if KEPT_AS_SENT[usize::from(byte)] {
+                out.push(byte as char);
+            } else {
+                encode(&mut out, byte);
+            }
+            continue;
+        }
+        let (Some(high), Some(low)) = (hex(bytes.get(at)), hex(bytes.get(at + 1))) else {
             encode(&mut out, b'%');
-            rest = &rest[at + 1..];
             continue;
         };
-        let byte = (high << 4 | low) as u8;
-        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
-            out.push(byte as char);
+        let decoded = (high << 4 | low) as u8;
+        if decoded.is_ascii_alphanumeric() || b"-._~".contains(&decoded) {
+            out.push(decoded as char);
         } else {
-            encode(&mut out, byte);
+            encode(&mut out, decoded);
         }
-        rest = &rest[at + 3..];
+        at += 2;
     }
-    out.push_str(rest);
     out
 }
 
@@ -106,10 +139,21 @@ mod tests {
             ("/%%41", "/%25A"),
             ("/%25A", "/%25A"),
             ("q=%61&r=%2b", "q=a&r=%2B"),
+            // Bytes a URI may not hold raw, as a client re-encoding them would send them.
+            ("/orders/caf\u{e9}", "/orders/caf%C3%A9"),
+            ("/orders/a{b}", "/orders/a%7Bb%7D"),
+            ("/a\"b|c^d\\e`f<g>h", "/a%22b%7Cc%5Ed%5Ce%60f%3Cg%3Eh"),
+            ("/100% {", "/100%25%20%7B"),
+            ("q=caf\u{e9}&r=[1]", "q=caf%C3%A9&r=%5B1%5D"),
+            ("/a:b@c!$&'()*+,;=/?", "/a:b@c!$&'()*+,;=/?"),
         ] {
             assert_eq!(normalized(sent), normal, "{sent}");
         }
         assert_ne!(normalized("/a%2Fb"), normalized("/a/b"));
         assert!(matches!(normalized("/v1/payments"), Cow::Borrowed(_)));
+        assert!(matches!(
+            normalized("/a:b@c!$&'()*+,;=/?~"),
+            Cow::Borrowed(_)
+        ));
     }
 }

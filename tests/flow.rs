@@ -1571,6 +1571,54 @@ async fn a_retry_with_its_path_spelled_another_way_replays() {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
+/// A path sent with bytes a URI may not hold raw (`é`, `{`, `"`, which hyper takes as they
+/// are) and its retry sent percent-encoded, as a client library or a proxy re-encoding it
+/// sends it, reach the handler as the same path: one record, replayed. They were two
+/// scopes, and the retry executed again.
+#[tokio::test]
+async fn a_retry_with_its_path_percent_encoded_where_it_was_sent_raw_replays() {
+    let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let calls = calls.clone();
+        move |axum::extract::Path(id): axum::extract::Path<String>| async move {
+            let call = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            (StatusCode::CREATED, format!("refund {call} of order {id}"))
+        }
+    };
+    let app = Router::new()
+        .route("/orders/{id}/refunds", routing::post(handler))
+        .layer(layer(&store));
+    let refund = |path: &str, key: &str| {
+        Request::post(path)
+            .header("idempotency-key", key)
+            .body(Body::empty())
+            .unwrap()
+    };
+    for (key, raw, encoded) in [
+        (
+            "raw-1",
+            "/orders/caf\u{e9}/refunds",
+            "/orders/caf%C3%A9/refunds",
+        ),
+        (
+            "raw-2",
+            "/orders/caf\u{e9}/refunds",
+            "/orders/caf%c3%a9/refunds",
+        ),
+        ("raw-3", "/orders/a{b}/refunds", "/orders/a%7Bb%7D/refunds"),
+        ("raw-4", "/orders/a\"b/refunds", "/orders/a%22b/refunds"),
+    ] {
+        let calls_before = calls.load(Ordering::SeqCst);
+        let first = read(app.clone().oneshot(refund(raw, key)).await.unwrap()).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{raw}");
+        let retry = read(app.clone().oneshot(refund(encoded, key)).await.unwrap()).await;
+        assert!(retry.replayed(), "{raw} then {encoded}: {:?}", retry.body);
+        assert_eq!(retry.body, first.body);
+        assert_eq!(calls.load(Ordering::SeqCst), calls_before + 1, "{encoded}");
+    }
+}
+
 /// Durations the stores cannot reach (a TTL meant as "forever", `Duration::MAX`), and an
 /// empty set of methods (nothing protected), are refused when the layer is configured,
 /// with a message naming the setting. A `Duration::MAX` TTL, taken, overflowed the memory
