@@ -594,3 +594,62 @@ async fn a_waiter_woken_just_before_its_bound_gets_the_replay() {
     assert!(duplicate.replayed(), "{duplicate:?}");
     assert_eq!(handler.executions(), 1);
 }
+
+/// Fails the next claims it is told to (`Error::Backend`, unsent).
+#[derive(Debug, Default)]
+struct FailsNextClaims(std::sync::atomic::AtomicUsize);
+
+impl Hooks for FailsNextClaims {
+    fn before(&self, operation: Operation<'_>) -> tower_idempotency::store::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let failing = || {
+            self.0
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        };
+        if let Operation::Claim = operation {
+            if failing() {
+                let failed = "one transient failure".into();
+                return Err(tower_idempotency::store::Error::Backend(failed));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// With `fail_open`, duplicates that waited for an original that was released, whose read
+/// of the key (one, shared by them all) failed once, are answered `503`: the store had said
+/// another request held their key. Each of them was executed unprotected, five payments
+/// from one failed read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_never_executed_unprotected_when_their_read_fails() {
+    let wrapped = Wrapped::new(Arc::new(MemoryStore::new()), FailsNextClaims::default());
+    let store: Arc<dyn Store> = wrapped.clone();
+    let handler = Handler::default();
+    let layer = layer(&store)
+        .fail_open()
+        .wait_for_original(Duration::from_secs(5));
+    let app = router(&handler, layer);
+    let original = spawn_send(&app, post_waiting("fails-open").header("x-status", "503"));
+    until_executing(&handler, 1).await;
+    let duplicates: Vec<_> = (0..5)
+        .map(|_| spawn_send(&app, post("/pay").key("fails-open")))
+        .collect();
+    for duplicate in &duplicates {
+        still_waiting(duplicate).await;
+    }
+    wrapped
+        .hooks
+        .0
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    handler.gate.add_permits(1);
+    let released = original.await.unwrap();
+    assert_eq!(released.status, StatusCode::SERVICE_UNAVAILABLE);
+    let mut answers = Vec::new();
+    for duplicate in duplicates {
+        answers.push(duplicate.await.unwrap().status);
+    }
+    // The original, and at most one duplicate that claimed the freed key after the failed
+    // read (a waiter reading then claims it): none executed unprotected.
+    assert!(handler.executions() <= 2, "{answers:?}");
+}

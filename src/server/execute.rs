@@ -175,7 +175,11 @@ where
                 answered(RequestOutcome::InProgress);
                 return reject(Reason::InProgress { retry_after });
             }
-            Err(error) if config.fail_open => {
+            // Never for a duplicate that waited: the store has said that another request
+            // holds its key, and its failure since (perhaps one read shared by every
+            // waiter) says nothing of that execution's end. Executed unprotected, each
+            // waiting duplicate would run the payment again.
+            Err(error) if config.fail_open && !waited => {
                 tracing::warn!(
                     %error,
                     "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"

@@ -442,6 +442,12 @@ impl IdempotencyLayer {
     /// one at error level) instead of answering `503 idempotency_store_unavailable`.
     /// Default: fail closed.
     ///
+    /// A duplicate that waited for the original ([`wait_for_original`]) is never executed
+    /// so: the store said another request holds its key, and a failure after that answers
+    /// `503` rather than run it a second time.
+    ///
+    /// [`wait_for_original`]: Self::wait_for_original
+    ///
     /// # Example
     ///
     /// ```
