@@ -76,6 +76,7 @@ for_each_store!(
     not_transactional:
     a_record_the_store_refuses_for_good_is_refused_to_every_retry,
     a_store_that_refuses_every_record_never_holds_the_request,
+    writes_a_store_fails_while_it_renews_are_given_up,
     an_outage_past_half_the_lease_still_records_the_response,
     an_outage_with_one_renewal_through_still_records_the_response,
     an_outage_past_half_the_lease_still_records_a_refusal_to_replay,
@@ -1690,6 +1691,8 @@ async fn the_longest_durations_are_kept(store: Arc<dyn Store>) {
 struct Faulty {
     refuses_over: Option<usize>,
     refused: bool,
+    /// Every release fails (not saying the store never takes it).
+    failing_releases: bool,
     outages: Vec<(Duration, Duration)>,
     first_completion: std::sync::Mutex<Option<std::time::Instant>>,
     completions: AtomicUsize,
@@ -1743,6 +1746,7 @@ impl Hooks for Faulty {
             return Err(backend_error("the store is away"));
         }
         match operation {
+            Operation::Release if self.failing_releases => Err(backend_error("release failed")),
             Operation::Complete(response)
                 if self
                     .refuses_over
@@ -1839,6 +1843,48 @@ async fn a_store_that_refuses_every_record_never_holds_the_request(store: Arc<dy
         let sent = faulty.hooks.completions.load(Ordering::SeqCst);
         assert_eq!(sent, completions);
     }
+}
+
+/// Writes the store keeps failing (not saying it never takes them) while it applies every
+/// renewal are given up, the client answered: a release within the lease (renewing
+/// nothing while retried, it lets the lease run out, and the retry executes), a refusal to
+/// replay within a lease of renewals after the record's own. Both were retried, the lease
+/// renewed beside them, for ever: the client never answered, the key held.
+async fn writes_a_store_fails_while_it_renews_are_given_up(store: Arc<dyn Store>) {
+    let faulty = Faulty {
+        failing_releases: true,
+        ..Faulty::default()
+    }
+    .around(store.clone());
+    let wrapped: Arc<dyn Store> = faulty.clone();
+    let handler = Handler::default();
+    let app = router(&handler, layer(&wrapped).lease(FAULTY_LEASE));
+    let failed = || post("/pay").key("unreleased").header("x-status", "503");
+    let answer = tokio::time::timeout(FAULTY_LEASE * 2, send(&app, failed()))
+        .await
+        .expect("a release that keeps failing answered within the lease");
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(FAULTY_LEASE).await;
+    let retry = send(&app, failed()).await;
+    assert!(!retry.replayed());
+    assert_eq!(handler.executions(), 2);
+
+    // Both the record and the refusal to replay it fail, not refused for good.
+    let faulty = Faulty {
+        refuses_over: Some(10),
+        ..Faulty::default()
+    }
+    .around(store.clone());
+    let wrapped: Arc<dyn Store> = faulty.clone();
+    let app = router(&handler, layer(&wrapped).lease(FAULTY_LEASE));
+    let big = post("/pay").key("unrecorded").header("x-body-len", "2000");
+    let answer = tokio::time::timeout(FAULTY_LEASE * 5, send(&app, big))
+        .await
+        .expect("a refusal that keeps failing answered within two leases of renewals");
+    assert_eq!(
+        (answer.status, answer.body.len()),
+        (StatusCode::CREATED, 2000)
+    );
 }
 
 /// An outage from the completion on, longer than half the lease but shorter than it, fails

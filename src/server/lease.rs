@@ -83,7 +83,8 @@ impl Answering {
 struct Unwritten {
     error: store::Error,
     /// Refused for good: the store said so, or it applied every renewal for a lease while
-    /// it failed a refusable write; not given up for an outage.
+    /// it failed a refusable write; not given up for an outage, nor a write that is not
+    /// refusable.
     refused: bool,
 }
 
@@ -222,12 +223,16 @@ impl Lease {
     /// attempt is timed from `started`, a reading its caller took anyway.
     ///
     /// A write the store says it never takes ([`store::Error::Refused`]) is given up at
-    /// once. A `refusable` one (a response's own record, outside the transactional mode)
-    /// is given up as refused too once the store has applied every renewal for a whole
-    /// lease while it failed the write: a store that takes everything but this record,
-    /// however often it is sent, would otherwise keep it retried, and the key held, for
-    /// ever. An outage fails the renewals too, and a failed renewal starts that count
-    /// again: the lease stays the only bound there.
+    /// once. Any write is given up too once the store has applied every renewal for a
+    /// whole lease while it failed the write: a store that takes everything but this
+    /// write, however often it is sent, would otherwise keep it retried, the key held and
+    /// the client unanswered, for ever. A `refusable` one (a response's own record, outside
+    /// the transactional mode) is then taken as refused for good. An outage fails the
+    /// renewals too, and a failed renewal starts that count again: the lease stays the
+    /// only bound there.
+    ///
+    /// A release renews nothing while it is retried: one that cannot land is the lease
+    /// running out, which frees the key as well.
     async fn write_until_settled<'a, F>(
         &'a self,
         operation: Operation,
@@ -280,10 +285,10 @@ impl Lease {
                     });
                 }
                 let answered_for = answering.since(renewals, failed_at);
-                if refusable && answered_for.is_some_and(|since| next >= since + lease) {
+                if answered_for.is_some_and(|since| next >= since + lease) {
                     return Err(Unwritten {
                         error,
-                        refused: true,
+                        refused: refusable,
                     });
                 }
                 tracing::warn!(
@@ -309,6 +314,9 @@ impl Lease {
         };
         // Boxed: kept in place, this rare path (a timer, the renewals) would make every
         // execution's future larger.
+        if operation == Operation::Release {
+            return Box::pin(retries).await;
+        }
         Box::pin(self.renew_while(retries, Instant::now())).await
     }
 
