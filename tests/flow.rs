@@ -5,7 +5,7 @@ mod support;
 
 use std::{
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc,
     },
     time::Duration,
@@ -72,11 +72,14 @@ for_each_store!(
     trailers_are_passed_on_recorded_and_replayed,
     transient_grpc_statuses_release_and_the_rest_replay,
     fingerprint_headers_are_part_of_the_parameters,
-    key_reused_with_other_parameters_conflicts;
+    key_reused_with_other_parameters_conflicts,
+    a_claim_answered_after_its_lease_is_not_executed,
+    a_claim_answered_late_is_renewed_in_time;
     not_transactional:
     a_record_the_store_refuses_for_good_is_refused_to_every_retry,
     a_store_that_refuses_every_record_never_holds_the_request,
     writes_a_store_fails_while_it_renews_are_given_up,
+    a_renewal_that_hangs_does_not_hold_back_the_next,
     an_outage_past_half_the_lease_still_records_the_response,
     an_outage_with_one_renewal_through_still_records_the_response,
     an_outage_past_half_the_lease_still_records_a_refusal_to_replay,
@@ -1843,6 +1846,102 @@ async fn a_store_that_refuses_every_record_never_holds_the_request(store: Arc<dy
         let sent = faulty.hooks.completions.load(Ordering::SeqCst);
         assert_eq!(sent, completions);
     }
+}
+
+/// Delays claims, their answers and renewals by what they are set to, the next renewal
+/// once.
+#[derive(Debug, Default)]
+struct Slow {
+    claims_ms: AtomicU64,
+    claim_answers_ms: AtomicU64,
+    next_renewal_ms: AtomicU64,
+}
+
+impl Hooks for Slow {
+    fn claim_delay(&self) -> Duration {
+        Duration::from_millis(self.claims_ms.load(Ordering::SeqCst))
+    }
+
+    fn claim_answer_delay(&self) -> Duration {
+        Duration::from_millis(self.claim_answers_ms.load(Ordering::SeqCst))
+    }
+
+    fn extend_delay(&self) -> Duration {
+        Duration::from_millis(self.next_renewal_ms.swap(0, Ordering::SeqCst))
+    }
+}
+
+/// A claim answered a whole lease after it was sent (held up behind a lock, on a slow
+/// connection) is not executed: `503`, and the claim released at once, so the retry
+/// executes without waiting for the lease. It was executed, its lease perhaps over by the
+/// store's clock, while a retry could claim the key and execute too.
+async fn a_claim_answered_after_its_lease_is_not_executed(store: Arc<dyn Store>) {
+    let slow = Wrapped::new(store, Slow::default());
+    let wrapped: Arc<dyn Store> = slow.clone();
+    let handler = Handler::default();
+    let lease = Duration::from_secs(1);
+    let app = router(&handler, layer(&wrapped).lease(lease));
+    slow.hooks.claims_ms.store(1300, Ordering::SeqCst);
+    let late = send(&app, post("/pay").key("answered-late")).await;
+    assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(handler.executions(), 0);
+    slow.hooks.claims_ms.store(0, Ordering::SeqCst);
+    // Released in the background, well before the claim's own lease (a second from when
+    // the store took it) runs out.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let retry = send(&app, post("/pay").key("answered-late")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.json());
+    assert_eq!(handler.executions(), 1);
+}
+
+/// A claim answered late, but within its lease, is renewed at once: its lease ran from
+/// when the store took it, and the renewals are scheduled from when it was sent, not
+/// answered. Scheduled from its answer, the first renewal came after the lease had run
+/// out, and a duplicate sent meanwhile executed.
+async fn a_claim_answered_late_is_renewed_in_time(store: Arc<dyn Store>) {
+    let slow = Wrapped::new(store, Slow::default());
+    let wrapped: Arc<dyn Store> = slow.clone();
+    let handler = Handler::default();
+    let lease = Duration::from_millis(1500);
+    let app = router(&handler, layer(&wrapped).lease(lease));
+    slow.hooks.claim_answers_ms.store(1100, Ordering::SeqCst);
+    let original = spawn_send(&app, post("/pay").key("late").header("x-sleep-ms", "2000"));
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    slow.hooks.claim_answers_ms.store(0, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let duplicate = send(&app, post("/pay").key("late")).await;
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CONFLICT,
+        "{:?}",
+        duplicate.json()
+    );
+    assert_eq!(handler.executions(), 1);
+    original.await.unwrap().assert_executed();
+}
+
+/// A renewal that hangs (sent on a dead connection) does not hold back the next: it counts
+/// as failed once the next is due, which renews the lease, so a duplicate sent after the
+/// lease would have run out still finds the key in progress. The renewals were awaited one
+/// after another: the lease ran out under the running handler and the duplicate executed.
+async fn a_renewal_that_hangs_does_not_hold_back_the_next(store: Arc<dyn Store>) {
+    let slow = Wrapped::new(store, Slow::default());
+    let wrapped: Arc<dyn Store> = slow.clone();
+    let handler = Handler::default();
+    let lease = Duration::from_millis(1500);
+    let app = router(&handler, layer(&wrapped).lease(lease));
+    slow.hooks.next_renewal_ms.store(60_000, Ordering::SeqCst);
+    let original = spawn_send(&app, post("/pay").key("hung").header("x-sleep-ms", "3500"));
+    tokio::time::sleep(lease + Duration::from_millis(800)).await;
+    let duplicate = send(&app, post("/pay").key("hung")).await;
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CONFLICT,
+        "{:?}",
+        duplicate.json()
+    );
+    assert_eq!(handler.executions(), 1);
+    original.await.unwrap().assert_executed();
 }
 
 /// Writes the store keeps failing (not saying it never takes them) while it applies every

@@ -92,6 +92,10 @@ struct Unwritten {
 /// with when the answer came, which starts an execution without reading the clock again.
 /// A claim whose answer its request never sees (dropped while in flight, or failed) is
 /// released.
+///
+/// A claim answered a whole lease after it was sent (held up behind a lock, a slow
+/// connection) counts as failed, and is released: its lease may be over by the store's
+/// clock, and another request may claim the key while this one would execute.
 pub(crate) async fn claim(
     shared: &Arc<Shared>,
     scope: &Scope,
@@ -105,10 +109,25 @@ pub(crate) async fn claim(
         .claim_with_token(scope, fingerprint, token, shared.config.lease)
         .await;
     let answered = shared.state.meters.stored(Operation::Claim, sent, &claim);
+    if let Ok(Claim::Claimed(_)) = claim {
+        if answered >= sent + shared.config.lease {
+            return (Err(answered_too_late()), answered);
+        }
+    }
     if settled(&claim) {
         abandoned.disarm();
     }
     (claim, answered)
+}
+
+#[cold]
+fn renewal_unanswered() -> store::Error {
+    store::Error::Backend("the renewal was not answered before the next was due".into())
+}
+
+#[cold]
+fn answered_too_late() -> store::Error {
+    store::Error::Backend("the claim was answered after its lease ran out".into())
 }
 
 /// Whether a claim's outcome is known. One that failed (a timeout, a dropped connection)
@@ -171,16 +190,20 @@ impl Lease {
     ) -> RenewWhile<F, impl Future<Output = Infallible> + '_> {
         // The renewals run beside the handler, never in its way: a slow store delays a
         // renewal, not the handler's next poll. Their schedule starts with the future, not
-        // when first polled, so a handler that blocks its thread finds its renewal overdue.
+        // when first polled, so a handler that blocks its thread finds its renewal overdue;
+        // and no later than the last claim or renewal the store applied was sent, as its
+        // lease did: a claim answered late is renewed at once.
         let period = self.shared.config.lease / 3;
-        let first = started + period;
+        let first = started.min(self.renewals().applied) + period;
         RenewWhile {
             future,
             renewals: self.renew_lease(first, period),
         }
     }
 
-    /// Renews the lease every `period` from `first`, until the claim is lost.
+    /// Renews the lease every `period` from `first`, until the claim is lost. A renewal
+    /// not answered within `period` counts as failed and the next one is sent: one hung on
+    /// a dead connection must not hold back the rest while the lease runs out.
     async fn renew_lease(&self, first: Instant, period: Duration) -> Infallible {
         let lease = self.shared.config.lease;
         let mut ticks = tokio::time::interval_at(first, period);
@@ -188,11 +211,10 @@ impl Lease {
         loop {
             ticks.tick().await;
             let sent = Instant::now();
-            let extended = self
-                .shared
-                .store
-                .extend(&self.scope, self.token, lease)
-                .await;
+            let extending = self.shared.store.extend(&self.scope, self.token, lease);
+            let extended = tokio::time::timeout(period, extending)
+                .await
+                .unwrap_or_else(|_| Err(renewal_unanswered()));
             self.shared
                 .state
                 .meters

@@ -124,6 +124,10 @@ pub enum Fenced {
 /// - A claim sent again with the token that holds the key (a retry of a claim whose reply
 ///   was lost) leaves the claim the caller's: it answers [`Claim::Claimed`] with that token
 ///   or [`Claim::InProgress`] with the caller's fingerprint, whichever the store can tell.
+/// - Each operation answers, or fails, within a bounded time, well under the lease (the
+///   built-in stores time out after a few seconds): the layer counts a claim answered a
+///   whole lease after it was sent as failed, and a renewal not answered before the next is
+///   due as failed, but it waits for a completion's first attempt.
 ///
 /// # Implementing a store
 ///

@@ -42,6 +42,16 @@ pub trait Hooks: Debug + Send + Sync + 'static {
         Duration::ZERO
     }
 
+    /// How long a claim's answer takes on its way back, after the store applied it.
+    fn claim_answer_delay(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    /// How long a renewal takes on its way, before it is sent.
+    fn extend_delay(&self) -> Duration {
+        Duration::ZERO
+    }
+
     /// After the store applied a claim: an error stands in for its answer, as for one
     /// whose answer was lost on the way back.
     fn after_claim(&self) -> Result<()> {
@@ -98,6 +108,10 @@ impl<H: Hooks> Store for Wrapped<H> {
         let claim = inner
             .claim_with_token(scope, fingerprint, token, lease)
             .await?;
+        let delay = self.hooks.claim_answer_delay();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         self.hooks.after_claim()?;
         Ok(self.hooks.claimed(claim))
     }
@@ -124,6 +138,10 @@ impl<H: Hooks> Store for Wrapped<H> {
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
         self.hooks.before(Operation::Extend)?;
+        let delay = self.hooks.extend_delay();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         self.inner.extend(scope, token, lease).await
     }
 
