@@ -1291,6 +1291,67 @@ async fn trailers_are_passed_on_recorded_and_replayed(store: Arc<dyn Store>) {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
+/// Over HTTP/1.1, on the wire: a response declaring a trailer (`Trailer: x-checksum`) and
+/// ending with it reaches the first client with it, chunked, as it does without the layer,
+/// and every replay too. The layer sent the first with `Content-Length` and no trailer (its
+/// buffered body said its exact size), and replays without the `Trailer` header either,
+/// which HTTP/1.1 needs to send a trailer.
+#[tokio::test]
+async fn http1_trailers_are_passed_on_and_replayed_on_the_wire() {
+    async fn exchange(app: Router) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        let request = "POST /sum HTTP/1.1\r\nhost: x\r\nte: trailers\r\nconnection: close\r\n\
+            idempotency-key: sum-1\r\ncontent-length: 2\r\n\r\n{}";
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let reading = stream.read_to_end(&mut answer);
+        tokio::time::timeout(Duration::from_secs(5), reading)
+            .await
+            .unwrap()
+            .unwrap();
+        server.abort();
+        String::from_utf8_lossy(&answer).to_ascii_lowercase()
+    }
+    let summed = || async {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-checksum", HeaderValue::from_static("abc"));
+        let frames = [
+            Ok::<_, std::convert::Infallible>(http_body::Frame::data(Bytes::from_static(b"hello"))),
+            Ok(http_body::Frame::trailers(trailers)),
+        ];
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header("trailer", "x-checksum")
+            .body(Body::new(body))
+            .unwrap()
+    };
+    let bare = exchange(Router::new().route("/sum", routing::post(summed))).await;
+    assert!(
+        bare.contains("\r\nx-checksum: abc\r\n"),
+        "without the layer: {bare}"
+    );
+    let store: Arc<dyn Store> = Arc::new(tower_idempotency::MemoryStore::new());
+    let layer = IdempotencyLayer::from_shared(store).allow_anonymous();
+    let app = Router::new().route("/sum", routing::post(summed).layer(layer));
+    let first = exchange(app.clone()).await;
+    assert!(!first.contains("idempotent-replayed"), "{first}");
+    let replays = [exchange(app.clone()).await, exchange(app).await];
+    for replay in &replays {
+        assert!(replay.contains("idempotent-replayed: true"), "{replay}");
+    }
+    for answer in [&first, &replays[0], &replays[1]] {
+        assert!(answer.contains("transfer-encoding: chunked"), "{answer}");
+        assert!(answer.contains("\r\ntrailer: x-checksum\r\n"), "{answer}");
+        assert!(answer.contains("\r\nx-checksum: abc\r\n"), "{answer}");
+        assert!(answer.contains("hello"), "{answer}");
+    }
+}
+
 /// A gRPC-shaped service (HTTP 200, the status in the trailers, or in the headers of a
 /// trailers-only answer): `UNAVAILABLE` and `INTERNAL` mean "not done" and release the key,
 /// so the retry executes; `FAILED_PRECONDITION` is a result, recorded and replayed. The

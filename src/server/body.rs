@@ -136,8 +136,10 @@ where
             (None, None) => SizeHint::with_exact(0),
         };
         let mut hint = SizeHint::new();
-        // Upper first: set_lower asserts it stays at or below the upper bound.
-        if let Some(upper) = rest.upper() {
+        // Upper first: set_lower asserts it stays at or below the upper bound. None for a
+        // body that ends with trailers: HTTP/1.1 sends them only in chunked encoding, which
+        // an exact size would rule out (hyper would send `Content-Length` and drop them).
+        if let Some(upper) = rest.upper().filter(|_| self.trailers.is_none()) {
             hint.set_upper(upper + prefix);
         }
         hint.set_lower(rest.lower() + prefix);
@@ -168,6 +170,8 @@ mod tests {
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", "0".parse().unwrap());
         let body = ResponseBody::<Full<Bytes>>::with_trailers("x", Some(trailers.clone()));
+        assert_eq!(body.size_hint().exact(), None);
+        assert_eq!(body.size_hint().lower(), 1);
         let collected = body.collect().await.unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));
         assert_eq!(collected.to_bytes(), "x");

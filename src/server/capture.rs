@@ -253,15 +253,15 @@ where
 }
 
 /// The headers a replay does not carry: the hop-by-hop ones (RFC 9110 §7.6.1) and `Date`,
-/// which belong to one transmission, not to the response.
-const NOT_REPLAYED: [&str; 10] = [
+/// which belong to one transmission, not to the response. (`Trailer` is end to end: it
+/// names the trailers the replay ends with too, which HTTP/1.1 sends only so declared.)
+const NOT_REPLAYED: [&str; 9] = [
     "connection",
     "keep-alive",
     "proxy-connection",
     "proxy-authenticate",
     "proxy-authorization",
     "te",
-    "trailer",
     "transfer-encoding",
     "upgrade",
     "date",
