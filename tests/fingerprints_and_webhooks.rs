@@ -53,6 +53,23 @@ async fn a_retry_that_reorders_or_respaces_its_json_replays() {
     assert_eq!(api.stats().await.payments_executed, 1);
 }
 
+/// Two 64-bit ids past 2^53 that round to the same double (a card, an account) are two
+/// requests, not a retry: JCS's numbers, compared as doubles, matched them, and the second
+/// card's payment was answered with the first's replay.
+#[tokio::test]
+async fn integers_past_two_to_the_53_are_told_apart() {
+    let example = ExampleProcess::start(&[("IDEMPOTENCY_FINGERPRINT", "json")]).await;
+    let api = example.api();
+    retries_of(
+        api,
+        r#"{"amount":1000,"currency":"usd","card":1234567890123456789}"#,
+        &[r#"{"card":1234567890123456789, "currency":"usd","amount":1000}"#],
+        r#"{"amount":1000,"currency":"usd","card":1234567890123456790}"#,
+    )
+    .await;
+    assert_eq!(api.stats().await.payments_executed, 1);
+}
+
 #[tokio::test]
 async fn an_ignored_field_may_change_on_a_retry() {
     let example =
