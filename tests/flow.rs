@@ -65,6 +65,7 @@ for_each_store!(
     long_principals_and_paths_are_scoped_by_their_digest,
     matched_path_names_the_endpoint,
     oversized_response_is_streamed_and_never_executed_twice,
+    a_response_of_many_headers_runs_once_and_its_retries_get_a_clean_answer,
     the_longest_durations_are_kept,
     hop_by_hop_headers_and_date_are_not_replayed,
     per_route_layers_are_configured_independently,
@@ -1140,6 +1141,72 @@ async fn oversized_response_is_streamed_and_never_executed_twice(store: Arc<dyn 
     let retry = send(&app, post("/pay").key("fits").header("x-body-len", "1024")).await;
     assert!(retry.replayed());
     assert_eq!(retry.body.len(), 1024);
+}
+
+/// A response of more header values than a map can be sized for (30 000 under one name)
+/// is recorded and replayed whole; one of more header names than a replay's map holds with
+/// its mark is recorded as not replayable, as a response over `max_response_body` is. Its
+/// client gets it either way, every retry a clean answer, and the handler runs once.
+async fn a_response_of_many_headers_runs_once_and_its_retries_get_a_clean_answer(
+    store: Arc<dyn Store>,
+) {
+    use axum::{http::HeaderName, response::IntoResponse};
+    fn many_headers(distinct_names: bool) -> Response {
+        let mut response = (StatusCode::CREATED, "ok").into_response();
+        if distinct_names {
+            // With `Content-Type`, and the `Content-Length` axum adds, as many names as a
+            // map holds (24 576).
+            for i in 0..24_574 {
+                let name = HeaderName::try_from(format!("x-item-{i}")).unwrap();
+                response
+                    .headers_mut()
+                    .append(name, HeaderValue::from_static("1"));
+            }
+        } else {
+            for _ in 0..30_000 {
+                let value = HeaderValue::from_static("1");
+                response.headers_mut().append("x-item", value);
+            }
+        }
+        response
+    }
+    let calls = Arc::new(AtomicUsize::new(0));
+    let route = |distinct_names: bool| {
+        let calls = calls.clone();
+        routing::post(move || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async move { many_headers(distinct_names) }
+        })
+    };
+    let app = Router::new()
+        .route("/values", route(false))
+        .route("/names", route(true))
+        .layer(layer(&store));
+
+    let first = send(&app, post("/values").key("values")).await;
+    first.assert_executed();
+    assert_eq!(first.headers.get_all("x-item").iter().count(), 30_000);
+    for _ in 0..2 {
+        let retry = send(&app, post("/values").key("values")).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(retry.status, StatusCode::CREATED);
+        assert_eq!(retry.headers.get_all("x-item").iter().count(), 30_000);
+        assert_eq!(retry.body, "ok");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    let first = send(&app, post("/names").key("names")).await;
+    first.assert_executed();
+    assert_eq!(first.headers.keys_len(), 24_576);
+    for _ in 0..2 {
+        let retry = send(&app, post("/names").key("names")).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT);
+        assert_eq!(
+            retry.json(),
+            serde_json::json!({"error": "response_not_replayable", "status": 201})
+        );
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
 async fn hop_by_hop_headers_and_date_are_not_replayed(store: Arc<dyn Store>) {

@@ -17,7 +17,11 @@ use super::{
     rejection::{Reason, Rejection},
     telemetry::RequestOutcome,
 };
-use crate::{fingerprint::SentHeaders, Fingerprint, StoredResponse};
+use crate::{
+    fingerprint::SentHeaders,
+    store::record::{map_with_room, replay_holds},
+    Fingerprint, StoredResponse,
+};
 
 /// A response with its body read, up to `max_response_body`: what [`record`] records.
 pub(crate) struct Captured<B: Body> {
@@ -75,26 +79,36 @@ where
                 let body = ResponseBody::with_boxed_trailers(body, trailers);
                 return Response::from_parts(parts, body);
             }
-            let plain = fingerprint;
-            let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
-            // The record borrows the response's body, trailers and, when a replay keeps
-            // every one, headers, and hands them back once written: copying them
-            // would cost a map and a body handle per execution.
-            let set_cookie = config.replay_set_cookie;
-            let headers_lent = replays_every_header(&parts.headers, set_cookie);
-            let headers = if headers_lent {
-                std::mem::take(&mut parts.headers)
+            if !replay_holds(&parts.headers) {
+                lease.warn(
+                    "response with more header names than a replay holds: retries get 409 response_not_replayable",
+                );
+                // As for a body over the limit: its client gets it, every retry the refusal.
+                let stored = not_replayable(lease, protocol, parts.status);
+                let answer = Answer::Streamed(ResponseBody::with_boxed_trailers(body, trailers));
+                (stored, fingerprint, None, answer)
             } else {
-                replayable_headers(&parts.headers, set_cookie)
-            };
-            let stored = StoredResponse {
-                status: parts.status,
-                headers,
-                body,
-                trailers,
-            };
-            let answer = Answer::Recorded { headers_lent };
-            (stored, fingerprint, Some(plain), answer)
+                let plain = fingerprint;
+                let fingerprint = fingerprint.varied_by_sent(&parts.headers, asked);
+                // The record borrows the response's body, trailers and, when a replay keeps
+                // every one, headers, and hands them back once written: copying them
+                // would cost a map and a body handle per execution.
+                let set_cookie = config.replay_set_cookie;
+                let headers_lent = replays_every_header(&parts.headers, set_cookie);
+                let headers = if headers_lent {
+                    std::mem::take(&mut parts.headers)
+                } else {
+                    replayable_headers(&parts.headers, set_cookie)
+                };
+                let stored = StoredResponse {
+                    status: parts.status,
+                    headers,
+                    body,
+                    trailers,
+                };
+                let answer = Answer::Recorded { headers_lent };
+                (stored, fingerprint, Some(plain), answer)
+            }
         }
         Buffered::TooLarge { prefix, rest } => {
             lease.warn(
@@ -290,8 +304,8 @@ fn replayable_headers(headers: &HeaderMap, set_cookie: bool) -> HeaderMap {
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
         .collect();
-    // One more than kept: a replay adds its marker without growing the map.
-    let mut kept = HeaderMap::with_capacity(headers.len() + 1);
+    // Room for the headers a replay adds, without growing the map.
+    let mut kept = map_with_room(headers.len(), headers.keys_len());
     for (name, value) in headers {
         if replayed(name, set_cookie) && !named_by_connection.contains(name) {
             kept.append(name.clone(), value.clone());

@@ -124,17 +124,39 @@ pub struct StoredResponse {
 /// from an exact fit grows once more.
 const REPLAY_ROOM: usize = 2;
 
+/// The most header names a [`HeaderMap`] holds: the http crate caps a map at 2^15 slots,
+/// three quarters of them usable. Values count against it only by their names: a map holds
+/// any number of values under one name.
+const MOST_HEADER_NAMES: usize = 24_576;
+
+/// Whether a replay can carry `headers`: whether they leave room, in one map, for the
+/// headers a replay adds. A response with more names than that is recorded as not
+/// replayable; adding the replay's mark to its map would panic.
+pub(crate) fn replay_holds(headers: &HeaderMap) -> bool {
+    headers.keys_len() + REPLAY_ROOM <= MOST_HEADER_NAMES
+}
+
+/// An empty map for `values` header values under `names` names, with room for the headers
+/// a replay adds: sized for every value and those, as most maps are, or, where that is more
+/// than a map holds, for the names and those, or else sized as it grows: never the panic
+/// of `HeaderMap::with_capacity` past a map's limit.
+pub(crate) fn map_with_room(values: usize, names: usize) -> HeaderMap {
+    HeaderMap::try_with_capacity(values.saturating_add(REPLAY_ROOM))
+        .or_else(|_| HeaderMap::try_with_capacity(names.saturating_add(REPLAY_ROOM)))
+        .unwrap_or_default()
+}
+
 impl StoredResponse {
     /// A copy to replay: as `clone`, but its headers in a map with room for the headers a
     /// replay adds, in the same order. For stores that keep records in memory and answer
-    /// each claim with a copy (a cloned map has no room to spare).
+    /// each claim with a copy (a cloned map has no room to spare). Never a panic, however
+    /// many headers the response has: the copy holds no more names than the original.
     pub(crate) fn replayable_copy(&self) -> Self {
-        let mut headers = HeaderMap::with_capacity(self.headers.len() + REPLAY_ROOM);
-        headers.extend(
-            self.headers
-                .iter()
-                .map(|(name, value)| (name.clone(), value.clone())),
-        );
+        let mut headers = map_with_room(self.headers.len(), self.headers.keys_len());
+        for (name, value) in &self.headers {
+            // No more names than the original map holds: there is room for each.
+            let _ = headers.try_append(name.clone(), value.clone());
+        }
         Self {
             status: self.status,
             headers,
@@ -334,13 +356,20 @@ fn take_headers(bytes: &mut Bytes, room: usize) -> Result<Option<HeaderMap>, Dec
     if count > bytes.len() / 8 {
         return Err(DecodeError("header count exceeds record"));
     }
-    let mut headers = HeaderMap::with_capacity(count + room);
+    // Sized for every value where a map holds that many, else as it grows: names, not
+    // values, count against a map's limit, and bytes past it are no record a replay carries.
+    let mut headers = HeaderMap::try_with_capacity(count + room).unwrap_or_default();
     for _ in 0..count {
         let name = HeaderName::from_bytes(&take_bytes(bytes)?)
             .map_err(|_| DecodeError("invalid header name"))?;
         let value = HeaderValue::from_maybe_shared(take_bytes(bytes)?)
             .map_err(|_| DecodeError("invalid header value"))?;
-        headers.append(name, value);
+        headers
+            .try_append(name, value)
+            .map_err(|_| DecodeError("more header names than a map holds"))?;
+    }
+    if headers.keys_len() + room > MOST_HEADER_NAMES {
+        return Err(DecodeError("more header names than a replay holds"));
     }
     Ok(Some(headers))
 }
@@ -511,5 +540,102 @@ mod tests {
         let mut other_version = encoded.to_vec();
         other_version[0] = 99;
         assert!(Record::decode(Bytes::from(other_version)).is_err());
+    }
+
+    /// The bytes of a completed record whose headers are `count` pairs of `header(i)`.
+    fn completed_of_headers(count: u32, header: impl Fn(u32) -> (String, &'static str)) -> Bytes {
+        let mut out = BytesMut::new();
+        out.put_u8(VERSION_1);
+        out.put_u8(COMPLETED);
+        out.put_slice(&[0; 32]);
+        out.put_u16(200);
+        out.put_u32(count);
+        for i in 0..count {
+            let (name, value) = header(i);
+            put_bytes(&mut out, name.as_bytes());
+            put_bytes(&mut out, value.as_bytes());
+        }
+        out.put_u32(0);
+        out.freeze()
+    }
+
+    /// Well-formed bytes of more headers than a map can be sized for: 30 000 values under
+    /// one name are a record like any other; 30 000 names, more than a map holds, are no
+    /// record, and say so.
+    #[test]
+    fn decoding_a_record_of_many_headers_is_an_error_not_a_panic() {
+        let one_name = completed_of_headers(30_000, |_| ("x-item".into(), "1"));
+        let Ok(Record::Completed { response, .. }) = Record::decode(one_name) else {
+            panic!("30 000 values under one name are a record");
+        };
+        assert_eq!(response.headers.len(), 30_000);
+        assert_eq!(response.headers.keys_len(), 1);
+        let many_names = completed_of_headers(30_000, |i| (format!("x-{i}"), ""));
+        assert_eq!(
+            Record::decode(many_names),
+            Err(DecodeError("more header names than a map holds"))
+        );
+        // As many names as a map holds leave no room for a replay's mark.
+        let full = completed_of_headers(MOST_HEADER_NAMES as u32, |i| (format!("x-{i}"), ""));
+        assert!(Record::decode(full).is_err());
+        let fits = MOST_HEADER_NAMES - REPLAY_ROOM;
+        let fits = completed_of_headers(fits as u32, |i| (format!("x-{i}"), ""));
+        assert!(Record::decode(fits).is_ok());
+    }
+
+    /// A response with more header values than `HeaderMap::with_capacity` takes, as a
+    /// handler may answer, is copied for replay with room for the replay's headers, and
+    /// round-trips through its encoding.
+    #[test]
+    fn a_response_of_many_header_values_is_copied_to_replay_and_round_trips() {
+        let mut headers = HeaderMap::new();
+        for _ in 0..30_000 {
+            headers.append("x-item", HeaderValue::from_static("1"));
+        }
+        let response = StoredResponse {
+            status: StatusCode::OK,
+            headers,
+            body: Bytes::new(),
+            trailers: None,
+        };
+        let copy = response.replayable_copy();
+        assert_eq!(copy, response);
+        assert!(copy.headers.capacity() >= copy.headers.keys_len() + REPLAY_ROOM);
+        assert!(replay_holds(&response.headers));
+        let record = Record::Completed {
+            fingerprint: Fingerprint::from_bytes([0; 32]),
+            response,
+        };
+        assert_eq!(Record::decode(record.encode()).unwrap(), record);
+    }
+
+    /// The most names a map holds is the http crate's limit, and a replay that leaves room
+    /// for its headers holds at most that.
+    #[test]
+    fn the_most_header_names_is_what_a_map_holds() {
+        assert!(HeaderMap::<HeaderValue>::try_with_capacity(MOST_HEADER_NAMES).is_ok());
+        assert!(HeaderMap::<HeaderValue>::try_with_capacity(MOST_HEADER_NAMES + 1).is_err());
+        let mut headers = HeaderMap::new();
+        for i in 0..MOST_HEADER_NAMES {
+            let name = HeaderName::try_from(format!("x-{i}")).unwrap();
+            headers
+                .try_append(name, HeaderValue::from_static(""))
+                .unwrap();
+            assert_eq!(
+                replay_holds(&headers),
+                i + 1 + REPLAY_ROOM <= MOST_HEADER_NAMES
+            );
+        }
+        assert!(headers
+            .try_append("x-one-more", HeaderValue::from_static(""))
+            .is_err());
+        // A copy of a full map is still made, without a panic.
+        let full = StoredResponse {
+            status: StatusCode::OK,
+            headers,
+            body: Bytes::new(),
+            trailers: None,
+        };
+        assert_eq!(full.replayable_copy(), full);
     }
 }
