@@ -10,6 +10,7 @@ use std::{
 use async_trait::async_trait;
 use metrics::Counter;
 
+use super::record::expiry;
 use super::{
     shards::{Hashed, Shards, Table, SHARDS},
     Claim, Fenced, Result, Store, Watch,
@@ -171,7 +172,7 @@ impl<S: Store + ?Sized> CachedStore<S> {
         let cached = Cached {
             fingerprint,
             response: response.clone(),
-            expires_at: now + expires_in,
+            expires_at: expiry(now, expires_in),
         };
         shard.records.insert(key, || owned, cached);
     }
@@ -342,6 +343,70 @@ mod tests {
         // Each shard keeps at most the one expired copy at its front that the next
         // admission would drop, besides the last round's.
         assert!(cache.len() <= 200 + SHARDS, "{} copies kept", cache.len());
+    }
+
+    /// A store that finds every key completed, with as much time left as it is set to.
+    #[derive(Debug)]
+    struct AlwaysCompleted(std::sync::Mutex<Duration>);
+
+    impl AlwaysCompleted {
+        fn with_time_left(left: Duration) -> Self {
+            Self(std::sync::Mutex::new(left))
+        }
+    }
+
+    #[async_trait]
+    impl Store for AlwaysCompleted {
+        async fn claim_with_token(
+            &self,
+            _: &Scope,
+            _: Fingerprint,
+            _: ClaimToken,
+            _: Duration,
+        ) -> Result<Claim> {
+            Ok(Claim::Completed {
+                fingerprint: Fingerprint::from_bytes([1; 32]),
+                response: StoredResponse {
+                    status: StatusCode::CREATED,
+                    headers: Default::default(),
+                    body: "ok".into(),
+                    trailers: None,
+                },
+                expires_in: Some(*self.0.lock().unwrap()),
+            })
+        }
+        async fn complete(
+            &self,
+            _: &Scope,
+            _: ClaimToken,
+            _: Fingerprint,
+            _: &StoredResponse,
+            _: Duration,
+        ) -> Result<Fenced> {
+            Ok(Fenced::Lost)
+        }
+        async fn release(&self, _: &Scope, _: ClaimToken) -> Result<Fenced> {
+            Ok(Fenced::Lost)
+        }
+        async fn extend(&self, _: &Scope, _: ClaimToken, _: Duration) -> Result<Fenced> {
+            Ok(Fenced::Lost)
+        }
+    }
+
+    /// A store may say it keeps a record for ever with the longest duration: the cache
+    /// keeps its copy as long, without a panic.
+    #[tokio::test]
+    async fn a_record_kept_for_ever_is_cached_without_a_panic() {
+        let cache = CachedStore::new(AlwaysCompleted::with_time_left(Duration::MAX), 1000);
+        let (scope, fingerprint) = (scope("k"), Fingerprint::from_bytes([1; 32]));
+        for _ in 0..2 {
+            let claim = cache.claim(&scope, fingerprint, Duration::from_secs(5));
+            let Claim::Completed { expires_in, .. } = claim.await.unwrap() else {
+                panic!("a completed record");
+            };
+            assert!(expires_in > Some(Duration::from_secs(50 * 365 * 86_400)));
+        }
+        assert_eq!(cache.len(), 1);
     }
 
     /// The cache's debug output (which the layer's includes) shows settings and a count,

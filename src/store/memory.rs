@@ -7,6 +7,7 @@ use std::{
 
 use async_trait::async_trait;
 
+use super::record::expiry;
 use super::{
     shards::{Hashed, Shards, Table, SHARDS},
     Announcements, Claim, Error, Fenced, Result, Store, Watch,
@@ -265,7 +266,7 @@ impl Store for MemoryStore {
             return Err(Error::Unavailable("memory store is full".into()));
         }
         let record = Record::InProgress { fingerprint, token };
-        let expires_at = now + lease;
+        let expires_at = expiry(now, lease);
         let entry = Entry {
             record,
             token,
@@ -295,7 +296,7 @@ impl Store for MemoryStore {
                     fingerprint,
                     response: response.clone(),
                 };
-                let expires_at = now + ttl;
+                let expires_at = expiry(now, ttl);
                 entry.expires_at = expires_at;
                 shard.expires(expires_at);
                 drop(shard);
@@ -339,7 +340,7 @@ impl Store for MemoryStore {
 
     async fn extend(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Result<Fenced> {
         Ok(self.fenced(scope, token, |entry| {
-            entry.expires_at = Instant::now() + lease
+            entry.expires_at = expiry(Instant::now(), lease)
         }))
     }
 
@@ -508,5 +509,37 @@ mod tests {
             taken += usize::from(store.claim(&scope, fingerprint, lease).await.is_ok());
         }
         taken
+    }
+
+    /// A lease or TTL of the longest duration, as a caller may pass for "for ever", is
+    /// kept for ever, not a panic.
+    #[tokio::test]
+    async fn the_longest_durations_keep_a_record_for_ever_without_a_panic() {
+        let store = MemoryStore::new();
+        let (scope, fingerprint) = (scope("k"), Fingerprint::from_bytes([0; 32]));
+        let claim = store.claim(&scope, fingerprint, Duration::MAX).await;
+        let Ok(Claim::Claimed(token)) = claim else {
+            panic!("{claim:?}");
+        };
+        let extended = store.extend(&scope, token, Duration::MAX).await;
+        assert_eq!(extended.unwrap(), Fenced::Applied);
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: Default::default(),
+            body: "ok".into(),
+            trailers: None,
+        };
+        let completed = store.complete(&scope, token, fingerprint, &response, Duration::MAX);
+        assert_eq!(completed.await.unwrap(), Fenced::Applied);
+        match store
+            .claim(&scope, fingerprint, Duration::MAX)
+            .await
+            .unwrap()
+        {
+            Claim::Completed { expires_in, .. } => {
+                assert!(expires_in > Some(Duration::from_secs(50 * 365 * 86_400)));
+            }
+            claim => panic!("{claim:?}"),
+        }
     }
 }

@@ -90,6 +90,19 @@ impl ClaimToken {
     }
 }
 
+/// The instant `after` from `now`, for a store's expiry: as `now + after`, but a duration
+/// further than the clock counts (`Duration::MAX`, for a record kept for ever) is as far as
+/// it does, at most [`LONGEST_DURATION`](crate::LONGEST_DURATION) on, not a panic.
+pub(crate) fn expiry(now: Instant, after: Duration) -> Instant {
+    let mut after = after;
+    loop {
+        match now.checked_add(after) {
+            Some(at) => return at,
+            None => after = (after / 2).min(crate::LONGEST_DURATION),
+        }
+    }
+}
+
 fn unix_millis(time: SystemTime) -> u64 {
     let since_epoch = time.duration_since(UNIX_EPOCH).unwrap_or_default();
     u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX)
@@ -540,6 +553,19 @@ mod tests {
         let mut other_version = encoded.to_vec();
         other_version[0] = 99;
         assert!(Record::decode(Bytes::from(other_version)).is_err());
+    }
+
+    /// A duration past what the clock counts is the far future, not a panic.
+    #[test]
+    fn an_expiry_past_what_the_clock_counts_is_the_far_future() {
+        let now = Instant::now();
+        assert_eq!(
+            expiry(now, Duration::from_secs(60)),
+            now + Duration::from_secs(60)
+        );
+        let for_ever = expiry(now, Duration::MAX);
+        assert!(for_ever > now + Duration::from_secs(50 * 365 * 86_400));
+        assert!(for_ever <= now + crate::LONGEST_DURATION);
     }
 
     /// The bytes of a completed record whose headers are `count` pairs of `header(i)`.
