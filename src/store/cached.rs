@@ -23,10 +23,11 @@ use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 /// A completed record never changes until it expires, so a copy is as good as the original
 /// for as long as the store keeps it: the cache keeps a record the store returned as
 /// completed for the time the store says is left ([`Claim::Completed`]'s `expires_in`),
-/// never in-progress ones, and every other operation goes to `inner`. Records are cached when
-/// read, not when completed: a first execution costs nothing more than without the cache,
-/// the first retry reaching a process reads the shared store, and every later one is served
-/// from memory, whichever process completed the request. Bounded by `max_records`: past it,
+/// never in-progress ones nor one with no time left, and every other operation goes to
+/// `inner`. Records are cached when read, not when completed: a first execution costs
+/// nothing more than without the cache, the first retry reaching a process reads the shared
+/// store, and every later one is served from memory, whichever process completed the
+/// request. Bounded by `max_records`: past it,
 /// the oldest cached records make room for new ones, and a record evicted early is simply
 /// read from `inner` again; expired copies at the front of that order go as new ones come
 /// in, so a cache larger than the live records holds little more than those. A cache of
@@ -77,16 +78,35 @@ struct CacheCounters {
 #[derive(Default)]
 struct Shard {
     records: Table<Arc<str>, Cached>,
-    /// Keys in the order they were cached, oldest first: a full shard evicts from the front.
-    /// A key cached twice appears twice; evicting its older mention evicts it early, which
-    /// only costs one read from the inner store.
-    order: VecDeque<Arc<str>>,
+    /// Keys in the order they were cached, oldest first, each with the number of its
+    /// admission: a full shard evicts from the front. A mention whose key was cached again
+    /// since, or dropped, is stale: it evicts nothing, goes when it reaches the front, and
+    /// the order is compacted once stale mentions outnumber the copies.
+    order: VecDeque<(Arc<str>, u64)>,
+    /// How many copies the shard has admitted: the next one's number.
+    admitted: u64,
 }
 
 struct Cached {
     fingerprint: Fingerprint,
     response: StoredResponse,
     expires_at: Instant,
+    /// The number of its admission, which its one current mention in the order carries.
+    admission: u64,
+}
+
+/// A shard's order is compacted once it holds twice as many mentions as the shard holds
+/// copies, and this many more: compaction then costs O(1) amortized per admission.
+const MIN_COMPACTION: usize = 16;
+
+/// The copy `mention` names, if it is its key's current mention.
+fn named<'r, T>(
+    shards: &Shards<T>,
+    records: &'r Table<Arc<str>, Cached>,
+    (key, admission): &(Arc<str>, u64),
+) -> Option<&'r Cached> {
+    let cached = records.get(shards.hash(key))?;
+    (cached.admission == *admission).then_some(cached)
 }
 
 impl<S: Store> CachedStore<S> {
@@ -142,39 +162,55 @@ impl<S: Store + ?Sized> CachedStore<S> {
         response: &StoredResponse,
         expires_in: Duration,
     ) {
-        if self.max_per_shard == 0 {
+        // A copy with no time left is dropped by the next claim of its key, which reads
+        // the store again: kept, it would only take a place in the order each time.
+        if self.max_per_shard == 0 || expires_in.is_zero() {
             return;
         }
         let mut shard = self.shard(key);
         let now = Instant::now();
-        // Expired copies at the front go first: records mostly share a TTL, so the oldest
-        // cached expire first.
+        // A copy of the key cached meanwhile (two claims missed at once) makes way for
+        // this one: its mention goes stale, and the key is in the order once.
+        shard.records.remove(key);
+        // Expired copies at the front go first, and stale mentions: records mostly share
+        // a TTL, so the oldest cached expire first.
         while let Some(oldest) = shard.order.front().cloned() {
-            let oldest = self.shards.hash(&oldest);
-            if shard
-                .records
-                .get(oldest)
-                .is_some_and(|c| c.expires_at > now)
-            {
-                break;
+            match named(&self.shards, &shard.records, &oldest).map(|c| c.expires_at > now) {
+                Some(true) => break,
+                Some(false) => {
+                    shard.records.remove(self.shards.hash(&oldest.0));
+                }
+                None => {}
             }
-            shard.records.remove(oldest);
             shard.order.pop_front();
         }
-        while shard.order.len() >= self.max_per_shard {
+        // Every copy has its mention in the order: a full shard evicts the oldest copies,
+        // and a stale mention on the way evicts nothing.
+        while shard.records.len() >= self.max_per_shard {
             let Some(oldest) = shard.order.pop_front() else {
                 break;
             };
-            shard.records.remove(self.shards.hash(&oldest));
+            if named(&self.shards, &shard.records, &oldest).is_some() {
+                shard.records.remove(self.shards.hash(&oldest.0));
+            }
         }
+        let admission = shard.admitted;
+        shard.admitted += 1;
         let owned: Arc<str> = Arc::from(key.key());
-        shard.order.push_back(owned.clone());
+        shard.order.push_back((owned.clone(), admission));
         let cached = Cached {
             fingerprint,
             response: response.clone(),
             expires_at: expiry(now, expires_in),
+            admission,
         };
         shard.records.insert(key, || owned, cached);
+        // Stale mentions behind a live copy at the front (a key cached again, or a copy
+        // its claim found expired) go once they outnumber the copies.
+        if shard.order.len() >= 2 * shard.records.len() + MIN_COMPACTION {
+            let Shard { records, order, .. } = &mut *shard;
+            order.retain(|mention| named(&self.shards, records, mention).is_some());
+        }
     }
 }
 
@@ -407,6 +443,70 @@ mod tests {
             assert!(expires_in > Some(Duration::from_secs(50 * 365 * 86_400)));
         }
         assert_eq!(cache.len(), 1);
+    }
+
+    /// How many mentions the shards' orders hold.
+    fn mentions<S: ?Sized>(cache: &CachedStore<S>) -> usize {
+        cache.shards.each().map(|shard| shard.order.len()).sum()
+    }
+
+    /// Redis reports a completed record's time left by the completer's clock: where it
+    /// runs behind the reader's, a live record reads as having none left. Replayed again
+    /// and again behind live copies at the front of every shard's order, such a record
+    /// is not cached, nor mentioned in the order once per replay.
+    #[tokio::test]
+    async fn replays_of_a_record_with_no_time_left_keep_the_order_within_the_copies() {
+        let inner = AlwaysCompleted::with_time_left(Duration::from_secs(3600));
+        let cache = CachedStore::new(inner, usize::MAX);
+        let fingerprint = Fingerprint::from_bytes([1; 32]);
+        let lease = Duration::from_secs(5);
+        for i in 0..1000 {
+            let long = scope(&format!("long{i}"));
+            cache.claim(&long, fingerprint, lease).await.unwrap();
+        }
+        *cache.inner().0.lock().unwrap() = Duration::ZERO;
+        let skewed = scope("skewed");
+        for _ in 0..100_000 {
+            cache.claim(&skewed, fingerprint, lease).await.unwrap();
+        }
+        assert_eq!(mentions(&cache), 1000, "one mention a copy");
+        assert_eq!(cache.len(), 1000);
+    }
+
+    /// A key cached again, whether its copy expired behind live ones or two claims missed
+    /// at once, is current in the order once: its older mentions evict nothing, and go
+    /// before they outnumber the copies.
+    #[tokio::test]
+    async fn a_key_cached_again_and_again_keeps_the_order_within_the_copies() {
+        let inner = AlwaysCompleted::with_time_left(Duration::from_secs(3600));
+        // Room for every copy: about 63 a shard, a few more in some.
+        let cache = CachedStore::new(inner, 200 * SHARDS);
+        let fingerprint = Fingerprint::from_bytes([1; 32]);
+        let lease = Duration::from_secs(5);
+        for i in 0..1000 {
+            let long = scope(&format!("long{i}"));
+            cache.claim(&long, fingerprint, lease).await.unwrap();
+        }
+        // Each claim finds the last copy expired, reads the store and caches it again.
+        *cache.inner().0.lock().unwrap() = Duration::from_nanos(1);
+        let again = scope("again");
+        for _ in 0..20_000 {
+            cache.claim(&again, fingerprint, lease).await.unwrap();
+        }
+        // Two claims of one key that both missed cache it twice.
+        let key = cache.shards.hash(again.storage_key());
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Default::default(),
+            body: "ok".into(),
+            trailers: None,
+        };
+        for _ in 0..20_000 {
+            cache.admit(key, fingerprint, &response, Duration::from_secs(3600));
+        }
+        assert_eq!(cache.len(), 1001, "no live copy evicted early");
+        let bound = 2 * cache.len() + SHARDS * MIN_COMPACTION;
+        assert!(mentions(&cache) <= bound, "{} mentions", mentions(&cache));
     }
 
     /// The cache's debug output (which the layer's includes) shows settings and a count,
