@@ -900,3 +900,332 @@ async fn pool_and_purge_settings_are_checked_when_configured() {
         .unwrap();
     assert!(matches!(claimed, Claim::Claimed(_)), "{claimed:?}");
 }
+
+/// A second store on `store`'s table, with a pool of its own: another instance.
+async fn instance_on(store: &PostgresStore) -> PostgresStore {
+    let (schema, table) = store.table_name().split_once('.').unwrap();
+    PostgresStore::connect(&support::database_url())
+        .await
+        .unwrap()
+        .table(schema, table)
+        .unwrap()
+}
+
+/// A claim whose statement waits on a lock for longer than its lease (here a purge batch
+/// still deleting the key's expired row; the same happens behind `CREATE INDEX`, or an
+/// operator's `SELECT … FOR UPDATE`) is not answered `Claimed` with a lease already
+/// spent, which a retry right after would take over: the claim fails (the layer answers
+/// `503`, nothing runs), its row is gone, and the retry takes the key alone.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn a_claim_that_waited_on_a_lock_is_not_handed_a_spent_lease() {
+    let a = support::postgres_store().await;
+    let b = instance_on(&a).await;
+    let lease = Duration::from_millis(500);
+    let key = scope("blocked-by-purge", Some("alice"));
+    // A's connection warmed (its statements prepared), and an expired row of the key.
+    assert!(claims(&a, &key, Duration::from_millis(50)).await);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A purge batch that takes a while (a big batch, a slow disk) holds the expired row.
+    let purger = support::store_client(&support::database_url()).await;
+    let name = a.table_name();
+    purger
+        .batch_execute(&format!(
+            "BEGIN; DELETE FROM {name} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {name} \
+             WHERE expires_at <= now() LIMIT 1000 FOR UPDATE SKIP LOCKED)) AND expires_at <= now()"
+        ))
+        .await
+        .unwrap();
+    let first = {
+        let (a, key) = (a.clone(), key.clone());
+        tokio::spawn(async move { a.claim(&key, FINGERPRINT, lease).await })
+    };
+    tokio::time::sleep(lease + Duration::from_millis(300)).await;
+    purger.batch_execute("COMMIT").await.unwrap();
+    let first = first.await.unwrap();
+    // A retry of the same request, on another instance, just after.
+    let second = b.claim(&key, FINGERPRINT, lease).await.unwrap();
+    if let (Ok(Claim::Claimed(token)), Claim::Claimed(_)) = (&first, &second) {
+        let extended = a.extend(&key, *token, lease).await;
+        panic!("both instances took the key: the first claim's lease was spent when it was answered (its extend: {extended:?})");
+    }
+    assert!(
+        first.is_err(),
+        "a claim answered after its lease: {first:?}"
+    );
+    assert!(matches!(second, Claim::Claimed(_)), "{second:?}");
+}
+
+/// A claim that takes over an expired row after waiting on that row's lock (an
+/// operator's `SELECT … FOR UPDATE`) for longer than its lease gets a whole lease, counted
+/// from when it wrote the row: a retry right after finds the key held.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn a_claim_that_waited_on_a_row_lock_gets_a_whole_lease() {
+    let a = support::postgres_store().await;
+    let b = instance_on(&a).await;
+    let lease = Duration::from_millis(500);
+    let key = scope("blocked-by-reader", Some("alice"));
+    assert!(claims(&a, &key, Duration::from_millis(50)).await);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let reader = support::store_client(&support::database_url()).await;
+    let name = a.table_name();
+    reader
+        .batch_execute(&format!(
+            "BEGIN; SELECT * FROM {name} WHERE idempotency_key = 'blocked-by-reader' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    let first = {
+        let (a, key) = (a.clone(), key.clone());
+        tokio::spawn(async move { a.claim(&key, FINGERPRINT, lease).await })
+    };
+    tokio::time::sleep(lease + Duration::from_millis(300)).await;
+    reader.batch_execute("COMMIT").await.unwrap();
+    let first = first.await.unwrap();
+    let second = b.claim(&key, FINGERPRINT, lease).await.unwrap();
+    let Ok(Claim::Claimed(token)) = first else {
+        panic!("the first claim took no key: {first:?}");
+    };
+    let Claim::InProgress {
+        lease_remaining, ..
+    } = second
+    else {
+        panic!("the retry found no claim in progress: {second:?}");
+    };
+    assert!(
+        lease_remaining > lease / 2 && lease_remaining <= lease,
+        "{lease_remaining:?}"
+    );
+    assert_eq!(a.extend(&key, token, lease).await.unwrap(), Fenced::Applied);
+}
+
+/// A proxy to the test database whose connections can be frozen, and the URL of the
+/// database through it.
+async fn freezing_proxy() -> (support::freezing_proxy::FreezingProxy, String) {
+    let config: tokio_postgres::Config = support::database_url().parse().unwrap();
+    let host = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => host.clone(),
+        #[allow(unreachable_patterns)]
+        other => panic!("a TCP host: {other:?}"),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let upstream = tokio::net::lookup_host((host.as_str(), port))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = support::freezing_proxy::FreezingProxy::start(upstream).await;
+    let user = config.get_user().unwrap_or("postgres");
+    let password = config
+        .get_password()
+        .map(|p| format!(":{}", String::from_utf8_lossy(p)))
+        .unwrap_or_default();
+    let db = config.get_dbname().unwrap_or(user);
+    let url = format!("postgres://{user}{password}@{}/{db}", proxy.addr());
+    (proxy, url)
+}
+
+/// A store on a table of its own whose connections go through `url`, on a pool of one
+/// connection with no time limits of its own: a connection that was given up on and
+/// pooled again would be the one every later operation gets.
+async fn store_through(url: &str, timeout: Duration) -> PostgresStore {
+    use tower_idempotency::deadpool_postgres::{Manager, Pool};
+    let migrated = support::postgres_store().await;
+    let (schema, table) = migrated.table_name().split_once('.').unwrap();
+    let manager = Manager::new(url.parse().unwrap(), tokio_postgres::NoTls);
+    let pool = Pool::builder(manager).max_size(1).build().unwrap();
+    PostgresStore::new(pool)
+        .table(schema, table)
+        .unwrap()
+        .timeout(timeout)
+}
+
+/// Runs `operation` and checks that it failed within about `timeout` with the error that
+/// says it may or may not have been applied.
+async fn times_out<T: std::fmt::Debug>(
+    timeout: Duration,
+    operation: impl std::future::Future<Output = Result<T, tower_idempotency::store::Error>>,
+) {
+    let started = tokio::time::Instant::now();
+    let answer = tokio::time::timeout(timeout * 5, operation)
+        .await
+        .expect("an operation on a frozen connection hangs");
+    let took = started.elapsed();
+    assert!(
+        took >= timeout - Duration::from_millis(50) && took < timeout * 2,
+        "answered after {took:?}"
+    );
+    match answer {
+        Err(tower_idempotency::store::Error::Backend(error)) => {
+            let error = error.downcast_ref::<PostgresStoreError>();
+            assert!(
+                matches!(error, Some(PostgresStoreError::Timeout(t)) if *t == timeout),
+                "{error:?}"
+            );
+        }
+        other => panic!("expected a timeout, may or may not have been applied: {other:?}"),
+    }
+}
+
+/// A connection that stops answering without a reset (a failover, a NAT that dropped its
+/// state) fails each kind of statement sent on it within the store's timeout, rather than
+/// hanging it for ever, and is never pooled again: the next operation opens a new
+/// connection, and works.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn statements_on_a_frozen_connection_time_out_and_it_is_replaced() {
+    let (proxy, url) = freezing_proxy().await;
+    let timeout = Duration::from_millis(400);
+    let store = store_through(&url, timeout).await;
+    let lease = Duration::from_secs(30);
+    let key = scope("frozen", Some("alice"));
+    let Claim::Claimed(token) = store.claim(&key, FINGERPRINT, lease).await.unwrap() else {
+        panic!("a free key");
+    };
+
+    // A renewal of the lease.
+    proxy.freeze_open_connections();
+    times_out(timeout, store.extend(&key, token, lease)).await;
+    assert_eq!(
+        store.extend(&key, token, lease).await.unwrap(),
+        Fenced::Applied
+    );
+
+    // A completion.
+    proxy.freeze_open_connections();
+    let stored = response(b"charged");
+    let ttl = Duration::from_secs(60);
+    times_out(
+        timeout,
+        store.complete(&key, token, FINGERPRINT, &stored, ttl),
+    )
+    .await;
+    let completed = store.complete(&key, token, FINGERPRINT, &stored, ttl);
+    assert_eq!(completed.await.unwrap(), Fenced::Applied);
+
+    // A claim, and a release.
+    let other = scope("frozen-2", Some("alice"));
+    proxy.freeze_open_connections();
+    times_out(timeout, store.claim(&other, FINGERPRINT, lease)).await;
+    let Claim::Claimed(token) = store.claim(&other, FINGERPRINT, lease).await.unwrap() else {
+        panic!("the frozen claim never reached the database");
+    };
+    proxy.freeze_open_connections();
+    times_out(timeout, store.release(&other, token)).await;
+    assert_eq!(store.release(&other, token).await.unwrap(), Fenced::Applied);
+
+    // A replay.
+    proxy.freeze_open_connections();
+    times_out(timeout, store.claim(&key, FINGERPRINT, lease)).await;
+    let replay = store.claim(&key, FINGERPRINT, lease).await.unwrap();
+    assert!(matches!(replay, Claim::Completed { .. }), "{replay:?}");
+}
+
+/// An operation dropped while its statement is in flight (a caller's own time limit) does
+/// not leave its connection in the pool: a renewal given up on a frozen connection is
+/// followed by one that works.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn a_connection_whose_statement_was_dropped_is_not_pooled_again() {
+    let (proxy, url) = freezing_proxy().await;
+    let store = store_through(&url, Duration::from_secs(30)).await;
+    let lease = Duration::from_secs(30);
+    let key = scope("dropped", None);
+    let Claim::Claimed(token) = store.claim(&key, FINGERPRINT, lease).await.unwrap() else {
+        panic!("a free key");
+    };
+    proxy.freeze_open_connections();
+    let renewal = store.extend(&key, token, lease);
+    let given_up = tokio::time::timeout(Duration::from_millis(200), renewal).await;
+    assert!(given_up.is_err(), "{given_up:?}");
+    let renewal = tokio::time::timeout(Duration::from_secs(2), store.extend(&key, token, lease));
+    let renewed = renewal
+        .await
+        .expect("the frozen connection was pooled again");
+    assert_eq!(renewed.unwrap(), Fenced::Applied);
+}
+
+/// A wait for a pooled connection counts against the timeout, and one that gets none in
+/// time sent nothing: the store says so (`Unavailable`, and the layer releases nothing).
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn a_wait_for_a_connection_past_the_timeout_sent_nothing() {
+    let (proxy, url) = freezing_proxy().await;
+    let store = store_through(&url, Duration::from_secs(2)).await;
+    let lease = Duration::from_secs(30);
+    let key = scope("busy", None);
+    let Claim::Claimed(token) = store.claim(&key, FINGERPRINT, lease).await.unwrap() else {
+        panic!("a free key");
+    };
+    proxy.freeze_open_connections();
+    // The pool's only connection, stuck for 2 s.
+    let stuck = {
+        let (store, key) = (store.clone(), key.clone());
+        tokio::spawn(async move { store.extend(&key, token, lease).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let impatient = store.clone().timeout(Duration::from_millis(300));
+    let other = scope("waiting-for-a-connection", None);
+    let started = tokio::time::Instant::now();
+    let claim = impatient.claim(&other, FINGERPRINT, lease).await;
+    assert!(started.elapsed() < Duration::from_secs(1));
+    match claim {
+        Err(tower_idempotency::store::Error::Unavailable(error)) => {
+            let error = error.downcast_ref::<PostgresStoreError>();
+            assert!(
+                matches!(error, Some(PostgresStoreError::Pool(_))),
+                "{error:?}"
+            );
+        }
+        other => panic!("expected no connection: {other:?}"),
+    }
+    assert!(stuck.await.unwrap().is_err());
+    // The key is free: the claim was never sent.
+    assert!(claims(&store, &other, lease).await);
+}
+
+/// A statement that times out waiting on a lock is cancelled: it does not apply once the
+/// lock is released, long after the caller was told it failed.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn a_statement_that_timed_out_on_a_lock_is_cancelled() {
+    let timeout = Duration::from_millis(300);
+    let store = support::postgres_store().await.timeout(timeout);
+    let lease = Duration::from_secs(30);
+    let key = scope("locked", None);
+    let Claim::Claimed(token) = store.claim(&key, FINGERPRINT, lease).await.unwrap() else {
+        panic!("a free key");
+    };
+    let name = store.table_name().to_owned();
+    let locked_until = || async {
+        let client = support::store_client(&support::database_url()).await;
+        let sql = format!("SELECT locked_until::text FROM {name} WHERE idempotency_key = 'locked'");
+        client
+            .query_one(&sql, &[])
+            .await
+            .unwrap()
+            .get::<_, String>(0)
+    };
+    let before = locked_until().await;
+    let locker = support::store_client(&support::database_url()).await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT * FROM {name} WHERE idempotency_key = 'locked' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    times_out(timeout, store.extend(&key, token, lease)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    locker.batch_execute("COMMIT").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        locked_until().await,
+        before,
+        "the renewal applied after all"
+    );
+    assert_eq!(
+        store.extend(&key, token, lease).await.unwrap(),
+        Fenced::Applied
+    );
+}

@@ -8,14 +8,22 @@ mod sqlx_transactions;
 mod tokio_postgres_transactions;
 mod transactional;
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    future::Future,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use deadpool_postgres::{Manager, Pool, Runtime};
 use http::StatusCode;
 use sha2::{Digest, Sha256};
-use tokio::task::JoinHandle;
+use tokio::{task::JoinHandle, time::Instant};
 use tokio_postgres::{types::ToSql, NoTls, Row};
 
 use self::listener::Listener;
@@ -31,6 +39,15 @@ use crate::{ClaimToken, Fingerprint, Scope, StoredResponse};
 /// How long a request waits for a pooled connection (or a new one) before the layer
 /// answers `503` (fail closed).
 const POOL_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long an operation waits for PostgreSQL by default ([`PostgresStore::timeout`]).
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one batch of [`PostgresStore::purge_expired`] waits for PostgreSQL.
+const PURGE_BATCH_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long data sent on a connection opened by [`PostgresStore::connect`] may stay
+/// unacknowledged before the system closes it (Linux; unless the URL sets
+/// `tcp_user_timeout`): a connection whose peer vanished without a reset is closed, even one
+/// the store has already given up on.
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 const POOL_SIZE: usize = 16;
 /// A claim can lose a race with a row committed after its snapshot; it then reads again.
 const CLAIM_ATTEMPTS: usize = 5;
@@ -51,6 +68,8 @@ const PURGE_BATCH: i64 = 1000;
 ///   a duplicate only reads, taking no lock and writing nothing.
 /// - **complete**, **release**, **extend** are one statement each, fenced by the claim token
 ///   and the lease.
+/// - Each operation waits at most [`timeout`](Self::timeout) (2 s) for the database; a
+///   connection that did not answer in time is closed, never pooled again.
 /// - Expired rows are never replayed. [`purge_expired`](Self::purge_expired) deletes them
 ///   (or, with [`keep_completed`](Self::keep_completed), only abandoned claims, keeping
 ///   completed rows as an audit trail); [`spawn_purge`](Self::spawn_purge) runs it
@@ -115,6 +134,8 @@ pub struct PostgresStore {
     /// The open transactions of the transactional mode, if it is on
     /// ([`PostgresStore::transactional`]).
     transactions: Option<Arc<dyn Transactions>>,
+    /// How long each operation waits for PostgreSQL ([`PostgresStore::timeout`]).
+    timeout: Duration,
 }
 
 /// Why a PostgreSQL operation failed.
@@ -151,6 +172,16 @@ pub enum PostgresStoreError {
     /// A row holds something this version never writes.
     #[error("unexpected row: {0}")]
     UnexpectedRow(&'static str),
+    /// PostgreSQL did not answer within the store's [`timeout`](PostgresStore::timeout)
+    /// (a connection gone dead without a reset, a statement waiting on a lock). The
+    /// connection is closed, never pooled again, and what it ran is cancelled.
+    #[error("postgres: no answer within {0:?}")]
+    Timeout(Duration),
+    /// A claim took its key only once its lease had run out, having waited that long on a
+    /// lock (a purge batch, `CREATE INDEX`, a `SELECT … FOR UPDATE`): another request could
+    /// take the key at once, so the claim was withdrawn, and nothing may run.
+    #[error("the claim took its key after its lease of {0:?} had run out (it waited on a lock); it was withdrawn")]
+    LeaseSpent(Duration),
     /// sqlx failed a statement of the transactional mode's sqlx flavour.
     #[cfg(feature = "sqlx")]
     #[error("sqlx: {0}")]
@@ -196,6 +227,10 @@ struct Table {
     /// `complete` and `release`, notifying the channel ([`PostgresStore::announce_outcomes`]).
     complete_announced: String,
     release_announced: String,
+    /// Deletes a claim taken after its lease had run out, whatever its lease, and its
+    /// notifying form.
+    withdraw: String,
+    withdraw_announced: String,
     extend: String,
     purge: String,
     purge_keeping_completed: String,
@@ -224,10 +259,18 @@ impl PostgresStore {
     /// the table `public.idempotency_keys`. Connections are opened on first use; so is the
     /// one that listens for other instances' completions, when a request first waits for
     /// its original.
+    ///
+    /// Unless `url` sets `tcp_user_timeout`, the system closes a connection once data sent
+    /// on it has stayed unacknowledged for 30 s (on Linux): one whose server vanished
+    /// without a reset, which the store gives up on after its [`timeout`](Self::timeout),
+    /// is closed too, rather than held open until TCP gives up, after many minutes.
     pub async fn connect(url: &str) -> Result<Self, PostgresStoreError> {
-        let config: tokio_postgres::Config = url
+        let mut config: tokio_postgres::Config = url
             .parse()
             .map_err(|e: tokio_postgres::Error| PostgresStoreError::Config(e.to_string()))?;
+        if config.get_tcp_user_timeout().is_none() {
+            config.tcp_user_timeout(TCP_USER_TIMEOUT);
+        }
         let pool = Pool::builder(Manager::new(config.clone(), NoTls))
             .max_size(POOL_SIZE)
             .runtime(Runtime::Tokio1)
@@ -264,6 +307,7 @@ impl PostgresStore {
             count_replays: false,
             purge_batch: PURGE_BATCH,
             transactions: None,
+            timeout: RESPONSE_TIMEOUT,
         }
     }
 
@@ -407,6 +451,53 @@ impl PostgresStore {
     /// ```
     pub fn purge_batch(mut self, rows: u32) -> Self {
         self.purge_batch = i64::from(rows.max(1));
+        self
+    }
+
+    /// The longest each operation waits for PostgreSQL: a claim, a completion, a release,
+    /// a renewal of the lease, a waiter's read, counted from when the store is asked (time
+    /// waiting for a pooled connection counts too). Past it the operation fails, and the
+    /// layer answers `503` (fail closed). One that had sent no statement (no connection in
+    /// time) changed nothing ([`Error::Unavailable`](super::Error::Unavailable)); one whose
+    /// statement was sent may or may not have been applied
+    /// ([`Error::Backend`](super::Error::Backend)): the layer releases a claim whose fate it
+    /// does not know, and writes a completion again.
+    ///
+    /// The connection is then never pooled again: one that stopped answering without a
+    /// reset (a failover, a NAT or firewall that dropped its state) would hang every
+    /// operation handed to it, and a renewal of the lease stuck on it would let the lease
+    /// lapse while the handler runs. It is closed, and its statement is cancelled (a cancel
+    /// request, on a connection of its own), so that one held up by a lock does not apply
+    /// long after. So does a statement whose operation is dropped before its answer.
+    ///
+    /// Keep it well under the layer's lease, which a renewal must reach the database
+    /// within. In the [`transactional`](Self::transactional) mode it bounds the reads and
+    /// notifications made outside the executions' transactions; those have bounds of their
+    /// own (2 s to begin one, the database's `statement_timeout`). Each batch of
+    /// [`purge_expired`](Self::purge_expired) waits up to 60 s. Default: 2 seconds.
+    ///
+    /// # Panics
+    ///
+    /// If `timeout` is zero: no statement could be answered.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::store::PostgresStoreError> {
+    /// use std::time::Duration;
+    /// use tower_idempotency::PostgresStore;
+    /// let store = PostgresStore::connect("postgres://localhost/app")
+    ///     .await?
+    ///     .timeout(Duration::from_millis(500));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        assert!(
+            !timeout.is_zero(),
+            "PostgresStore::timeout must be more than zero: no statement could be answered"
+        );
+        self.timeout = timeout;
         self
     }
 
@@ -620,9 +711,13 @@ impl PostgresStore {
         let mut purged = 0;
         loop {
             // A connection per batch: the pool serves requests between batches.
-            let client = self.pool.get().await?;
-            let statement = client.prepare_cached(sql).await?;
-            let deleted = client.execute(&statement, &[&self.purge_batch]).await?;
+            let bound = PURGE_BATCH_TIMEOUT.max(self.timeout);
+            let connection = Connection::get(&self.pool, bound).await?;
+            let client = connection.client();
+            let statement = connection.answer(false, client.prepare_cached(sql)).await?;
+            let deleted = connection
+                .answer(true, client.execute(&statement, &[&self.purge_batch]))
+                .await?;
             purged += deleted;
             if deleted < self.purge_batch as u64 {
                 return Ok(purged);
@@ -713,27 +808,44 @@ impl PostgresStore {
         &self,
         client: &deadpool_postgres::Client,
         sql: &str,
-    ) -> Result<tokio_postgres::Statement> {
+    ) -> Result<tokio_postgres::Statement, tokio_postgres::Error> {
         let writes = self.writes();
         if client.statement_cache.size() < writes.len() {
             let preparing = writes.map(|write| client.prepare_cached(write));
             futures_util::future::try_join_all(preparing).await?;
         }
-        Ok(client.prepare_cached(sql).await?)
+        client.prepare_cached(sql).await
+    }
+
+    /// A pooled connection for one operation, bounded by the store's
+    /// [`timeout`](Self::timeout), and `sql` prepared on it.
+    async fn connection_for(
+        &self,
+        sql: &str,
+    ) -> Result<(Connection, tokio_postgres::Statement), Failure> {
+        let connection = Connection::get(&self.pool, self.timeout).await?;
+        let statement = connection
+            .answer(false, self.prepared(connection.client(), sql))
+            .await?;
+        Ok((connection, statement))
     }
 
     async fn execute(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
-        let client = self.pool.get().await?;
-        let statement = self.prepared(&client, sql).await?;
-        Ok(client.execute(&statement, params).await?)
+        let (connection, statement) = self.connection_for(sql).await?;
+        let client = connection.client();
+        Ok(connection
+            .answer(true, client.execute(&statement, params))
+            .await?)
     }
 
     /// Runs a fenced write that notifies the table's channel when it applies (it returns a
     /// row then).
     async fn notifying(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Fenced> {
-        let client = self.pool.get().await?;
-        let statement = self.prepared(&client, sql).await?;
-        let rows = client.query(&statement, params).await?;
+        let (connection, statement) = self.connection_for(sql).await?;
+        let client = connection.client();
+        let rows = connection
+            .answer(true, client.query(&statement, params))
+            .await?;
         Ok(fenced(rows.len() as u64))
     }
 
@@ -746,12 +858,14 @@ impl PostgresStore {
         } else {
             &statements.read
         };
-        let client = self.pool.get().await?;
-        let statement = client.prepare_cached(sql).await?;
+        let connection = Connection::get(&self.pool, self.timeout).await?;
+        let client = connection.client();
+        let statement = connection.answer(false, client.prepare_cached(sql)).await?;
         let (key, endpoint, principal) = (scope.key().as_str(), scope.endpoint(), principal(scope));
-        let row = client
-            .query_opt(&statement, &[&key, &endpoint, &principal])
-            .await?;
+        // Only a read that counts its replay writes.
+        let params: [&(dyn ToSql + Sync); 3] = [&key, &endpoint, &principal];
+        let query = client.query_opt(&statement, &params);
+        let row = connection.answer(self.count_replays, query).await?;
         row.map(|row| decode_claim(&row, self.count_replays))
             .transpose()
     }
@@ -814,6 +928,61 @@ impl PostgresStore {
 
     /// Deletes `token`'s in-progress row in a statement of its own.
     async fn release_now(&self, scope: &Scope, token: ClaimToken) -> Result<Fenced> {
+        let [_, _, release, _] = self.writes();
+        self.end_claim(scope, token, release).await
+    }
+
+    /// The answer to `token`'s claim, which took its key with less than half its `lease`
+    /// left, `remaining` milliseconds (it waited on a lock): its lease is renewed whole
+    /// first, so that the execution does not start on a lease about to lapse. One with none
+    /// left is withdrawn instead: anyone may have taken the key over already.
+    async fn short_lease(
+        &self,
+        scope: &Scope,
+        token: ClaimToken,
+        lease: Duration,
+        remaining: i64,
+    ) -> Result<Claim> {
+        if remaining > 0 {
+            match self.extend(scope, token, lease).await {
+                Ok(Fenced::Applied) => return Ok(Claim::Claimed(token)),
+                Ok(Fenced::Lost) => {}
+                // The claim may hold the key: the layer releases it.
+                Err(Error::Unavailable(error)) => return Err(Error::Backend(error)),
+                Err(error) => return Err(error),
+            }
+        }
+        Err(self.withdraw(scope, token, lease).await)
+    }
+
+    /// The error of `token`'s claim, which took its key only once its `lease` had run out
+    /// (it waited on a lock): anyone may take the key over at once, so nothing may run on
+    /// it. Its row is deleted, whatever its lease: the token says it is still this claim's.
+    async fn withdraw(&self, scope: &Scope, token: ClaimToken, lease: Duration) -> Error {
+        tracing::warn!(
+            ?lease,
+            "a claim waited on a lock until its lease had run out: withdrawn, the request is refused"
+        );
+        let table = &*self.table;
+        let sql = if self.announce {
+            &table.withdraw_announced
+        } else {
+            &table.withdraw
+        };
+        let spent = Box::new(PostgresStoreError::LeaseSpent(lease));
+        match self.end_claim(scope, token, sql).await {
+            // The key is not this claim's any more: nothing to release.
+            Ok(_) => Error::Unavailable(spent),
+            Err(error) => {
+                tracing::warn!(%error, "could not withdraw a claim whose lease had run out");
+                Error::Backend(spent)
+            }
+        }
+    }
+
+    /// Deletes `token`'s in-progress row with `sql`, a release's statement, and tells the
+    /// waiters.
+    async fn end_claim(&self, scope: &Scope, token: ClaimToken, sql: &str) -> Result<Fenced> {
         let key = self.announced_key(scope);
         let notification = key
             .as_deref()
@@ -825,9 +994,8 @@ impl PostgresStore {
             &token.as_bytes().as_slice(),
             &notification.as_str(),
         ];
-        let [_, _, release, _] = self.writes();
         let ending = key.as_deref().map(|key| self.listener.ending(key, token));
-        let released = self.notifying(release, &params).await?;
+        let released = self.notifying(sql, &params).await?;
         if let (Fenced::Applied, Some(ending)) = (released, ending) {
             ending.released();
         }
@@ -844,14 +1012,17 @@ impl PostgresStore {
         let ending = self.listener.ending(&key, token);
         let notification = notification::end_of(&key, token);
         let notified = async {
-            let client = self.pool.get().await?;
-            let statement = client
-                .prepare_cached(&self.table.transactional.notify)
+            let connection = Connection::get(&self.pool, self.timeout).await?;
+            let client = connection.client();
+            let sql = &self.table.transactional.notify;
+            let statement = connection.answer(false, client.prepare_cached(sql)).await?;
+            connection
+                .answer(true, client.execute(&statement, &[&notification]))
                 .await?;
-            client.execute(&statement, &[&notification]).await?;
-            Ok::<_, Error>(())
+            Ok::<_, Failure>(())
         };
         if let Err(error) = notified.await {
+            let error = Error::from(error);
             tracing::warn!(%error, "could not notify a rolled-back execution: other instances' waiters read their key at their next check");
         }
         ending.released();
@@ -897,6 +1068,120 @@ impl Completion<'_> {
     fn ending<'s>(&'s self, store: &'s PostgresStore) -> Option<Ending<'s>> {
         let key = self.announced.as_deref()?;
         Some(store.listener.ending(key, self.claim))
+    }
+}
+
+/// A pooled connection serving one operation until its deadline. A statement not answered
+/// by then fails the operation; so does a wait for the connection itself.
+///
+/// A connection left with a statement in flight (one not answered in time, or whose
+/// operation was dropped before its answer) is never pooled again: it may have gone dead
+/// without a reset, and would hang whatever the pool handed it next. It is closed, and its
+/// statement is cancelled, so that one held up by a lock does not apply long after.
+struct Connection {
+    client: Option<deadpool_postgres::Client>,
+    deadline: Instant,
+    /// How long the operation was given, for its error.
+    bound: Duration,
+    /// Whether a statement is in flight, or was when its time ran out.
+    in_flight: AtomicBool,
+}
+
+impl Connection {
+    /// A connection from `pool` for an operation given `bound` from now. Past it, no
+    /// statement was sent.
+    async fn get(pool: &Pool, bound: Duration) -> Result<Self, Failure> {
+        let deadline = Instant::now() + bound;
+        let client = match tokio::time::timeout_at(deadline, pool.get()).await {
+            Ok(client) => client,
+            Err(_) => Err(deadpool_postgres::PoolError::Timeout(
+                deadpool_postgres::TimeoutType::Wait,
+            )),
+        };
+        let client = client.map_err(|error| Failure::Unsent(error.into()))?;
+        Ok(Self {
+            client: Some(client),
+            deadline,
+            bound,
+            in_flight: AtomicBool::new(false),
+        })
+    }
+
+    fn client(&self) -> &deadpool_postgres::Client {
+        self.client.as_ref().expect("taken only when dropped")
+    }
+
+    /// `work` on this connection, answered by the deadline. `writes` says whether it
+    /// sends a statement that may change the table: one that does and is not answered in
+    /// time may or may not have been applied; one that does not (a preparation) changed
+    /// nothing.
+    async fn answer<T>(
+        &self,
+        writes: bool,
+        work: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, Failure> {
+        self.in_flight.store(true, Ordering::Relaxed);
+        let Ok(answer) = tokio::time::timeout_at(self.deadline, work).await else {
+            let error = PostgresStoreError::Timeout(self.bound);
+            return Err(if writes {
+                Failure::Failed(error)
+            } else {
+                Failure::Unsent(error)
+            });
+        };
+        self.in_flight.store(false, Ordering::Relaxed);
+        answer.map_err(|error| Failure::Failed(error.into()))
+    }
+}
+
+/// Why an operation on a [`Connection`] failed.
+#[derive(Debug)]
+enum Failure {
+    /// Nothing that could change a row was sent: no connection in time, or a preparation
+    /// not answered in time ([`Error::Unavailable`]).
+    Unsent(PostgresStoreError),
+    /// The database failed a statement, or did not answer it in time: it may or may not
+    /// have been applied ([`Error::Backend`]).
+    Failed(PostgresStoreError),
+}
+
+impl From<Failure> for Error {
+    fn from(failure: Failure) -> Self {
+        match failure {
+            Failure::Unsent(error) => Error::Unavailable(Box::new(error)),
+            Failure::Failed(error) => Error::Backend(Box::new(error)),
+        }
+    }
+}
+
+impl From<Failure> for PostgresStoreError {
+    fn from(failure: Failure) -> Self {
+        match failure {
+            Failure::Unsent(error) | Failure::Failed(error) => error,
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if !*self.in_flight.get_mut() {
+            return;
+        }
+        let Some(client) = self.client.take() else {
+            return;
+        };
+        let cancel = client.cancel_token();
+        // Out of the pool for good; dropped, it closes once its socket answers or fails.
+        drop(deadpool_postgres::Object::take(client));
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let bound = self.bound;
+            runtime.spawn(async move {
+                let cancelled = tokio::time::timeout(bound, cancel.cancel_query(NoTls)).await;
+                if !matches!(cancelled, Ok(Ok(()))) {
+                    tracing::debug!("could not cancel the statement of a connection given up on");
+                }
+            });
+        }
     }
 }
 
@@ -1086,6 +1371,9 @@ WHERE {scope} AND claim_token = $4
         );
         // $5 payload.
         let releasing = format!("WITH done AS (\nDELETE FROM {name} WHERE {held}");
+        let withdrawing = format!(
+            "WITH done AS (\nDELETE FROM {name} WHERE {scope} AND status = 'in_progress' AND claim_token = $4"
+        );
         // A row that holds its key now: in progress within its lease, or completed and not
         // expired.
         let alive = "expires_at > now() AND (status = 'completed' OR locked_until > now())";
@@ -1095,23 +1383,37 @@ WHERE {scope} AND claim_token = $4
         // CONFLICT DO UPDATE` locks the row it meets even when its `WHERE` leaves it be, and
         // that lock would make every replay and duplicate a write, flushed at commit. (A
         // row committed after the statement's snapshot is met, and locked, as before.)
-        // The insert that takes the key, where `when` (a `FROM` and `WHERE` clause) lets it.
+        // The insert that takes the key, where `when` (more tables, then a `WHERE` clause)
+        // lets it.
+        //
+        // Two clocks. `now()` is when the statement (in the transactional mode, its
+        // transaction) began; `clock_timestamp()` is the time as the row is written. A
+        // statement can wait between the two, on a row lock (a purge batch deleting the
+        // key's expired row, `CREATE INDEX`, a `SELECT … FOR UPDATE`) for longer than a
+        // lease: so the lease, as every time that runs from the write, is counted from the
+        // clock, and what the lease has left is read from the clock once the row is written
+        // (returned in place of the found row's remaining time). A row is taken as expired
+        // only by `now()`, which is never later than the clock: nothing is taken over
+        // before it has really expired. The update of a row met in the way runs once its
+        // lock is granted: its lease starts then. An insert's values are computed before
+        // it waits (on a row being deleted): one that waited past its lease returns none
+        // left, and is withdrawn.
+        let lease_from_clock =
+            "(SELECT clock_timestamp() + $6::bigint * interval '1 millisecond' AS until) lease";
         let insert_claim = |when: &str| {
             format!(
                 "INSERT INTO {name} AS r (idempotency_key, endpoint, principal, request_hash, status,
         claim_token, locked_until, created_at, expires_at)
-    SELECT $1, $2, $3, $4::bytea, 'in_progress', $5::bytea,
-        now() + $6::bigint * interval '1 millisecond', now(),
-        now() + $6::bigint * interval '1 millisecond'
-    {when}
+    SELECT $1, $2, $3, $4::bytea, 'in_progress', $5::bytea, lease.until, now(), lease.until
+    FROM {lease_from_clock}{when}
     ON CONFLICT (idempotency_key, endpoint, principal) DO UPDATE SET
         request_hash = EXCLUDED.request_hash, status = 'in_progress', status_code = NULL,
         response_headers = NULL, response_body = NULL, claim_token = EXCLUDED.claim_token,
-        locked_until = EXCLUDED.locked_until, created_at = EXCLUDED.created_at,
-        completed_at = NULL, expires_at = EXCLUDED.expires_at, resource_id = NULL,
+        (locked_until, expires_at) = (SELECT lease.until, lease.until FROM {lease_from_clock}),
+        created_at = EXCLUDED.created_at, completed_at = NULL, resource_id = NULL,
         replay_count = 0, last_replayed_at = NULL
     WHERE r.expires_at <= now() OR (r.status = 'in_progress' AND r.locked_until <= now())
-    RETURNING 1"
+    RETURNING (extract(epoch FROM r.locked_until - clock_timestamp()) * 1000)::bigint AS lease_left"
             )
         };
         let claiming = format!(
@@ -1121,18 +1423,20 @@ WHERE {scope} AND claim_token = $4
 claimed AS (
     {}
 )",
-            insert_claim("WHERE NOT EXISTS (SELECT 1 FROM seen)")
+            insert_claim("\n    WHERE NOT EXISTS (SELECT 1 FROM seen)")
         );
+        // The key taken, with the time its lease has left, in milliseconds.
         let claimed =
             "SELECT true, NULL::bytea, NULL::text, NULL::smallint, NULL::bytea, NULL::bytea,
-    NULL::bigint, NULL::bigint
+    claimed.lease_left, NULL::bigint
 FROM claimed";
         // The columns of the live row found: the time its lease (in progress) or its record
-        // (completed) has left, and how long ago it was claimed, in milliseconds.
+        // (completed) has left, and how long ago it was claimed, in milliseconds, by the
+        // clock (the statement may have waited since it began).
         let found = "false, request_hash, status, status_code, response_headers, response_body,
     (extract(epoch FROM CASE WHEN status = 'in_progress' THEN locked_until ELSE expires_at END
-        - now()) * 1000)::bigint,
-    (extract(epoch FROM now() - created_at) * 1000)::bigint";
+        - clock_timestamp()) * 1000)::bigint,
+    (extract(epoch FROM clock_timestamp() - created_at) * 1000)::bigint";
         let live = format!("{scope} AND {alive}\n    AND NOT EXISTS (SELECT 1 FROM claimed)");
         // The transactional mode's statements. Its claims are never committed in progress
         // (a transaction commits its row completed, or rolls it back), so its duplicates
@@ -1194,7 +1498,7 @@ SELECT lock.taken, lock.taken_key, EXISTS (SELECT 1 FROM claimed),
     ) END,
     seen.*
 FROM lock LEFT JOIN seen ON true",
-                insert_claim("FROM lock WHERE lock.taken_key AND NOT EXISTS (SELECT 1 FROM seen)")
+                insert_claim(", lock\n    WHERE lock.taken_key AND NOT EXISTS (SELECT 1 FROM seen)")
             ),
             // The completions of a transaction: an error where the completion finds no
             // row, so that a `COMMIT` sent right behind it, unawaited, rolls back instead.
@@ -1232,10 +1536,15 @@ WHERE {live} AND status = 'in_progress'",
             release_announced: format!("{releasing}{}", notify(5)),
             complete: format!("{completing}{}", quiet(10)),
             release: format!("{releasing}{}", quiet(5)),
-            // $5 lease ms.
+            withdraw: format!("{withdrawing}{}", quiet(5)),
+            withdraw_announced: format!("{withdrawing}{}", notify(5)),
+            // $5 lease ms, counted from the clock once the row's lock is granted (the lease
+            // held by `now()`, when the statement began).
             extend: format!(
-                "UPDATE {name} SET locked_until = now() + $5::bigint * interval '1 millisecond',
-    expires_at = now() + $5::bigint * interval '1 millisecond'
+                "UPDATE {name} SET (locked_until, expires_at) = (
+    SELECT lease.until, lease.until
+    FROM (SELECT clock_timestamp() + $5::bigint * interval '1 millisecond' AS until) lease
+)
 WHERE {held}"
             ),
             // $1 batch size. Rows a claim has locked meanwhile are skipped; the condition is
@@ -1365,24 +1674,32 @@ impl Store for PostgresStore {
         if let Some(open) = &self.transactions {
             return open.claim(self, scope, fingerprint, token, lease).await;
         }
-        let client = self.pool.get().await?;
         let [claim, ..] = self.writes();
-        let statement = self.prepared(&client, claim).await?;
+        let (connection, statement) = self.connection_for(claim).await?;
+        let client = connection.client();
         let (key, endpoint, principal) = (scope.key().as_str(), scope.endpoint(), principal(scope));
-        let (hash, token_bytes, lease) = (
+        let (hash, token_bytes, lease_ms) = (
             fingerprint.as_bytes().as_slice(),
             token.as_bytes().as_slice(),
             millis(lease),
         );
         for _ in 0..CLAIM_ATTEMPTS {
-            let row = client
-                .query_opt(
-                    &statement,
-                    &[&key, &endpoint, &principal, &hash, &token_bytes, &lease],
-                )
+            let params: [&(dyn ToSql + Sync); 6] =
+                [&key, &endpoint, &principal, &hash, &token_bytes, &lease_ms];
+            let row = connection
+                .answer(true, client.query_opt(&statement, &params))
                 .await?;
             match row {
-                Some(row) if row.try_get::<_, bool>(0)? => return Ok(Claim::Claimed(token)),
+                Some(row) if row.try_get::<_, bool>(0)? => {
+                    // What the lease has left by the clock, now that the row is written: a
+                    // claim that waited on a lock took the key with less, or none.
+                    let remaining: i64 = row.try_get(6)?;
+                    if remaining > 0 && remaining >= lease_ms / 2 {
+                        return Ok(Claim::Claimed(token));
+                    }
+                    drop(connection);
+                    return self.short_lease(scope, token, lease, remaining).await;
+                }
                 Some(row) => return decode_claim(&row, self.count_replays),
                 // The row in the way was committed after this statement's snapshot: again.
                 None => continue,

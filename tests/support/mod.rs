@@ -4,6 +4,7 @@
 pub mod app;
 #[cfg(feature = "reqwest")]
 pub mod client;
+pub mod freezing_proxy;
 #[cfg(feature = "tonic")]
 pub mod grpc;
 pub mod logs;
