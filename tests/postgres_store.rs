@@ -1229,3 +1229,58 @@ async fn a_statement_that_timed_out_on_a_lock_is_cancelled() {
         Fenced::Applied
     );
 }
+
+/// Through the layer: the connection a handler's claim used goes dead without a reset while
+/// the handler runs (a failover, a NAT that dropped its state). Each renewal sent on it is
+/// given up when the next is due, and the next goes on a new connection: the lease holds,
+/// and a retry on another instance is told the payment is in progress. The renewals were
+/// awaited one after another, the first hung for good, the lease ran out under the handler,
+/// and the retry executed again.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: scripts/test.sh"]
+async fn renewals_on_a_connection_gone_dead_keep_the_lease() {
+    let (proxy, url) = freezing_proxy().await;
+    let proxy = Arc::new(proxy);
+    let direct = support::postgres_store().await;
+    let (schema, table) = direct.table_name().split_once('.').unwrap();
+    let through_proxy = {
+        use tower_idempotency::deadpool_postgres::{Manager, Pool};
+        let manager = Manager::new(url.parse().unwrap(), tokio_postgres::NoTls);
+        let pool = Pool::builder(manager).max_size(1).build().unwrap();
+        PostgresStore::new(pool).table(schema, table).unwrap()
+    };
+    let lease = Duration::from_millis(1500);
+    let executed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let app = |store: PostgresStore,
+               freeze: Option<Arc<support::freezing_proxy::FreezingProxy>>| {
+        let executed = executed.clone();
+        let charge = move || async move {
+            executed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if let Some(proxy) = &freeze {
+                proxy.freeze_open_connections();
+            }
+            // A long charge, well within what renewals are for.
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            (StatusCode::CREATED, "charged")
+        };
+        let layer = IdempotencyLayer::new(store).allow_anonymous().lease(lease);
+        Router::new().route("/v1/payments", post(charge).layer(layer))
+    };
+    let first_instance = app(through_proxy, Some(proxy.clone()));
+    let other_instance = app(direct, None);
+    let pay = |app: Router| async move {
+        let request = Request::post("/v1/payments")
+            .header("idempotency-key", "renewed-on-a-dead-connection")
+            .body(Body::from("{\"amount\":1}"))
+            .unwrap();
+        app.oneshot(request).await.unwrap().status()
+    };
+    let first = tokio::spawn(pay(first_instance));
+    tokio::time::sleep(lease + Duration::from_secs(1)).await;
+    let retry = pay(other_instance).await;
+    assert_eq!(retry, StatusCode::CONFLICT);
+    assert_eq!(executed.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(first.await.unwrap(), StatusCode::CREATED);
+    assert!(proxy.opened() >= 2, "the renewals went on a new connection");
+}
