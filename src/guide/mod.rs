@@ -110,6 +110,11 @@ page! {
         | "store/struct.PostgresStore.html#method.resource_id";
     "postgres" "`count_replays()`" => "crate::PostgresStore::count_replays"
         | "store/struct.PostgresStore.html#method.count_replays";
+    "postgres" "`PostgresStoreError::LeaseSpent`"
+        => "crate::store::PostgresStoreError::LeaseSpent"
+        | "store/enum.PostgresStoreError.html#variant.LeaseSpent";
+    "postgres" "`timeout(duration)`" => "crate::PostgresStore::timeout"
+        | "store/struct.PostgresStore.html#method.timeout";
 }
 
 page! {
@@ -130,6 +135,11 @@ page! {
 
 page! {
     pub mod production = "production.md";
+    "postgres" "`PostgresStore`" => "crate::PostgresStore" | "store/struct.PostgresStore.html";
+    "postgres" "`PostgresStore::timeout`" => "crate::PostgresStore::timeout"
+        | "store/struct.PostgresStore.html#method.timeout";
+    "postgres" "`PostgresStore::connect`" => "crate::PostgresStore::connect"
+        | "store/struct.PostgresStore.html#method.connect";
 }
 
 page! {
