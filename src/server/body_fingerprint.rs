@@ -20,8 +20,8 @@ use crate::{request_path::RequestPath, Fingerprint};
 /// - [`json`](Self::json): the body as canonical JSON (RFC 8785, JCS). Object member order
 ///   and insignificant whitespace do not matter, and numbers and strings compare by value
 ///   (`1.0` is `1`, `"\u0041"` is `"A"`). Numbers are compared as IEEE 754 doubles, as JCS
-///   defines, except integers, which compare exactly past 2^53 too (two 64-bit ids that
-///   round to the same double are two requests). A body that is
+///   defines, except integers that fit in 64 bits, which compare exactly past 2^53 too
+///   (two 64-bit ids that round to the same double are two requests). A body that is
 ///   not valid JSON, or names a member of an object twice (which JCS has no canonical form
 ///   for, and which consumers read differently), is fingerprinted raw.
 /// - [`json_ignoring`](Self::json_ignoring): the same, with fields left out by JSON
