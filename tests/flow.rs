@@ -75,7 +75,9 @@ for_each_store!(
     fingerprint_headers_are_part_of_the_parameters,
     key_reused_with_other_parameters_conflicts,
     a_claim_answered_after_its_lease_is_not_executed,
-    a_claim_answered_late_is_renewed_in_time;
+    a_claim_answered_late_is_renewed_in_time,
+    a_claim_answered_after_its_lease_is_not_executed_failing_open,
+    renewals_answered_slowly_keep_the_lease;
     not_transactional:
     a_record_the_store_refuses_for_good_is_refused_to_every_retry,
     a_store_that_refuses_every_record_never_holds_the_request,
@@ -1976,13 +1978,14 @@ async fn a_store_that_refuses_every_record_never_holds_the_request(store: Arc<dy
     }
 }
 
-/// Delays claims, their answers and renewals by what they are set to, the next renewal
-/// once.
+/// Delays claims, their answers and renewals by what they are set to (the next renewal
+/// once, or every one).
 #[derive(Debug, Default)]
 struct Slow {
     claims_ms: AtomicU64,
     claim_answers_ms: AtomicU64,
     next_renewal_ms: AtomicU64,
+    renewals_ms: AtomicU64,
 }
 
 impl Hooks for Slow {
@@ -1995,7 +1998,8 @@ impl Hooks for Slow {
     }
 
     fn extend_delay(&self) -> Duration {
-        Duration::from_millis(self.next_renewal_ms.swap(0, Ordering::SeqCst))
+        let next = self.next_renewal_ms.swap(0, Ordering::SeqCst);
+        Duration::from_millis(next.max(self.renewals_ms.load(Ordering::SeqCst)))
     }
 }
 
@@ -2046,6 +2050,55 @@ async fn a_claim_answered_late_is_renewed_in_time(store: Arc<dyn Store>) {
     );
     assert_eq!(handler.executions(), 1);
     original.await.unwrap().assert_executed();
+}
+
+/// With `fail_open`, a claim answered after its lease is not executed either: `503`. It was
+/// executed unprotected while its key was released behind it, and the retry executed too.
+async fn a_claim_answered_after_its_lease_is_not_executed_failing_open(store: Arc<dyn Store>) {
+    let slow = Wrapped::new(store, Slow::default());
+    let wrapped: Arc<dyn Store> = slow.clone();
+    let handler = Handler::default();
+    let app = router(
+        &handler,
+        layer(&wrapped).lease(Duration::from_secs(1)).fail_open(),
+    );
+    slow.hooks.claims_ms.store(1300, Ordering::SeqCst);
+    let late = send(&app, post("/pay").key("late-open")).await;
+    assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE);
+    slow.hooks.claims_ms.store(0, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    send(&app, post("/pay").key("late-open"))
+        .await
+        .assert_executed();
+    assert_eq!(handler.executions(), 1);
+}
+
+/// Renewals a store answers slowly, but applies (700 ms each under a 1.5 s lease), keep the
+/// lease: each counts when it lands, the next sent when due all the same. Given up at the
+/// next one's time, none of them counted, and a duplicate executed under the handler.
+async fn renewals_answered_slowly_keep_the_lease(store: Arc<dyn Store>) {
+    let slow = Wrapped::new(store, Slow::default());
+    let wrapped: Arc<dyn Store> = slow.clone();
+    let handler = Handler::default();
+    let lease = Duration::from_millis(1500);
+    let app = router(&handler, layer(&wrapped).lease(lease));
+    slow.hooks.renewals_ms.store(700, Ordering::SeqCst);
+    let original = spawn_send(
+        &app,
+        post("/pay")
+            .key("slow-renewals")
+            .header("x-sleep-ms", "4000"),
+    );
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    let duplicate = send(&app, post("/pay").key("slow-renewals")).await;
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CONFLICT,
+        "{:?}",
+        duplicate.json()
+    );
+    original.await.unwrap().assert_executed();
+    assert_eq!(handler.executions(), 1);
 }
 
 /// A renewal that hangs (sent on a dead connection) does not hold back the next: it counts
@@ -2112,6 +2165,46 @@ async fn writes_a_store_fails_while_it_renews_are_given_up(store: Arc<dyn Store>
         (answer.status, answer.body.len()),
         (StatusCode::CREATED, 2000)
     );
+}
+
+/// Fails every completion, and every other renewal.
+#[derive(Debug, Default)]
+struct Flapping {
+    renewals: AtomicUsize,
+}
+
+impl Hooks for Flapping {
+    fn before(&self, operation: Operation<'_>) -> tower_idempotency::store::Result<()> {
+        match operation {
+            Operation::Complete(_) => Err(backend_error("completions fail")),
+            Operation::Extend if self.renewals.fetch_add(1, Ordering::SeqCst) % 2 == 1 => {
+                Err(backend_error("every other renewal fails"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A completion the store keeps failing while its renewals fail and are applied by turns
+/// is given up within a few leases, and the client answered: each failed renewal started
+/// the count of applied ones again, each applied one moved the lease on, and the record was
+/// retried for ever, the client unanswered.
+#[tokio::test]
+async fn a_write_failing_while_renewals_flap_is_given_up() {
+    let flapping = Wrapped::new(
+        Arc::new(tower_idempotency::MemoryStore::new()),
+        Flapping::default(),
+    );
+    let wrapped: Arc<dyn Store> = flapping.clone();
+    let handler = Handler::default();
+    // Long enough that a renewal is applied within each stretch of the write's retries.
+    let lease = Duration::from_millis(4500);
+    let app = router(&handler, layer(&wrapped).lease(lease));
+    let answer = tokio::time::timeout(lease * 5, send(&app, post("/pay").key("flapping")))
+        .await
+        .expect("answered within a few leases");
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert!(flapping.hooks.renewals.load(Ordering::SeqCst) >= 4);
 }
 
 /// An outage from the completion on, longer than half the lease but shorter than it, fails

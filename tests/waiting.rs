@@ -653,3 +653,61 @@ async fn waiters_are_never_executed_unprotected_when_their_read_fails() {
     // read (a waiter reading then claims it): none executed unprotected.
     assert!(handler.executions() <= 2, "{answers:?}");
 }
+
+/// Delays the answers of claims, after the store applied them.
+#[derive(Debug, Default)]
+struct SlowGrants {
+    delay_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Hooks for SlowGrants {
+    fn claim_answer_delay(&self) -> Duration {
+        Duration::from_millis(self.delay_ms.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+/// A waiter whose claim of the released key is answered late (1.3 s of a 1.5 s lease) runs
+/// its lease from when that claim was sent, as a first claim does, and renews it at once: a
+/// third request sent once that lease would have run out finds the key in progress (and,
+/// waiting in turn, gets the waiter's replay). Its
+/// lease ran from when the wait ended, the first renewal came after the store's lease had
+/// run out, and the third request executed under the waiter's handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiters_claim_answered_late_is_renewed_in_time() {
+    let slow = Wrapped::new(Arc::new(MemoryStore::new()), SlowGrants::default());
+    let store: Arc<dyn Store> = slow.clone();
+    let handler = Handler::default();
+    let lease = Duration::from_millis(1500);
+    let app = router(
+        &handler,
+        layer(&store)
+            .lease(lease)
+            .wait_for_original(Duration::from_secs(10)),
+    );
+    let original = spawn_send(&app, post_waiting("late-grant").header("x-status", "503"));
+    until_executing(&handler, 1).await;
+    let waiter = spawn_send(
+        &app,
+        post("/pay").key("late-grant").header("x-sleep-ms", "3000"),
+    );
+    still_waiting(&waiter).await;
+    slow.hooks
+        .delay_ms
+        .store(1300, std::sync::atomic::Ordering::SeqCst);
+    handler.gate.add_permits(1);
+    assert_eq!(
+        original.await.unwrap().status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    until_executing(&handler, 2).await;
+    slow.hooks
+        .delay_ms
+        .store(0, std::sync::atomic::Ordering::SeqCst);
+    // Past the lease of the waiter's claim, counted from when it was sent: the third
+    // request finds the key in progress, waits in turn, and gets the waiter's replay.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let third = send(&app, post("/pay").key("late-grant")).await;
+    assert!(third.replayed(), "{:?}", third.json());
+    waiter.await.unwrap().assert_executed();
+    assert_eq!(handler.executions(), 2);
+}

@@ -1,7 +1,13 @@
 //! The story of one keyed request: read its body, scope and fingerprint it, claim its
 //! key, then answer from what the claim found, or execute once and record the outcome.
 
-use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    future::Future,
+    panic::AssertUnwindSafe,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
 
 use bytes::Bytes;
 use futures_util::FutureExt;
@@ -108,7 +114,7 @@ where
             let rejection = Rejection::new(reason, scope.endpoint().to_owned());
             Ok(rejection.into_response(protocol(), renderer))
         };
-        let sent = Instant::now();
+        let mut sent = Instant::now();
         let token = ClaimToken::unique_at(sent.into_std());
         let (mut claim, mut answered_at) =
             lease::claim(&shared, &scope, fingerprint, token, sent).await;
@@ -120,8 +126,12 @@ where
                 .then(|| shared.state.waiters.enter(config.max_waiting))
                 .flatten()
             {
+                // When the last claim was sent: one that takes the key runs its lease from
+                // then, as the first claim would have.
+                let last_sent = Mutex::new(sent);
                 let again = || {
                     let sent = Instant::now();
+                    *last_sent.lock().unwrap_or_else(PoisonError::into_inner) = sent;
                     let claim = lease::claim(&shared, &scope, fingerprint, token, sent);
                     async move { claim.await.0 }
                 };
@@ -133,6 +143,9 @@ where
                 claim = Box::pin(waiting).await;
                 waited = true;
                 answered_at = Instant::now();
+                sent = last_sent
+                    .into_inner()
+                    .unwrap_or_else(PoisonError::into_inner);
             }
         }
         let answered = |outcome| shared.answered(outcome);
@@ -179,7 +192,7 @@ where
             // holds its key, and its failure since (perhaps one read shared by every
             // waiter) says nothing of that execution's end. Executed unprotected, each
             // waiting duplicate would run the payment again.
-            Err(error) if config.fail_open && !waited => {
+            Err(error) if config.fail_open && !waited && !lease::too_late_to_run(&error) => {
                 tracing::warn!(
                     %error,
                     "idempotency store unavailable: executing WITHOUT idempotency protection (fail-open)"
@@ -211,12 +224,9 @@ where
             parts.extensions.insert(DerivedKeys::of(&scope));
         }
         shared.store.hand_over(token, &mut parts.extensions);
-        // The lease runs from when its claim was sent, no later than the store applied it;
-        // after waiting, from when the wait ended, a round trip after the last claim was
-        // sent, which only lets a write be retried a little past the lease, where the fence
-        // refuses it.
-        let claimed_at = if waited { answered_at } else { sent };
-        let lease = Lease::new(shared, scope, token, claimed_at);
+        // The lease runs from when its claim (after waiting, the last) was sent, no later
+        // than the store applied it.
+        let lease = Lease::new(shared, scope, token, sent);
         // Rebuilt only here: a replay or a rejection never needs the request again.
         let request = Request::from_parts(parts, ReqBody::rebuilt(body));
         // Timed from the claim's answer: what runs in between is the layer's own work of

@@ -10,6 +10,7 @@ use std::{
     time::Duration,
 };
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -28,6 +29,9 @@ use crate::{
 /// claim's lease runs out.
 const WRITE_RETRY_FIRST: Duration = Duration::from_millis(25);
 const WRITE_RETRY_MAX: Duration = Duration::from_secs(1);
+/// The most leases a write is retried for after its first failure, whatever the renewals
+/// do meanwhile.
+const WRITE_RETRY_LEASES: u32 = 3;
 
 /// What came of writing a response's record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,12 +126,31 @@ pub(crate) async fn claim(
 
 #[cold]
 fn renewal_unanswered() -> store::Error {
-    store::Error::Backend("the renewal was not answered before the next was due".into())
+    store::Error::Backend("the renewal was not answered within a lease".into())
 }
 
 #[cold]
 fn answered_too_late() -> store::Error {
-    store::Error::Backend("the claim was answered after its lease ran out".into())
+    store::Error::Backend(Box::new(AnsweredLate))
+}
+
+/// A claim answered a whole lease after it was sent: it may hold its key no more.
+#[derive(Debug, thiserror::Error)]
+#[error("the claim was answered after its lease ran out")]
+struct AnsweredLate;
+
+/// Whether `error` is a claim's that took its key too late to run on it (answered after its
+/// lease, or withdrawn by the store for that): another request may take the key at once,
+/// so it is never executed, not even failing open.
+pub(crate) fn too_late_to_run(error: &store::Error) -> bool {
+    let (store::Error::Backend(source) | store::Error::Unavailable(source)) = error else {
+        return false;
+    };
+    #[cfg(feature = "postgres")]
+    if let Some(store::PostgresStoreError::LeaseSpent(_)) = source.downcast_ref() {
+        return true;
+    }
+    source.is::<AnsweredLate>()
 }
 
 /// Whether a claim's outcome is known. One that failed (a timeout, a dropped connection)
@@ -201,26 +224,34 @@ impl Lease {
         }
     }
 
-    /// Renews the lease every `period` from `first`, until the claim is lost. A renewal
-    /// not answered within `period` counts as failed and the next one is sent: one hung on
-    /// a dead connection must not hold back the rest while the lease runs out.
+    /// Renews the lease every `period` from `first`, until the claim is lost. Each renewal
+    /// is sent when it is due, whether the last one was answered or not: one slow to answer
+    /// (a store slow but applying it) still counts when it lands, and one hung on a dead
+    /// connection holds back none of the next; each is given up once a lease has passed
+    /// since it was sent, when it can no longer help.
     async fn renew_lease(&self, first: Instant, period: Duration) -> Infallible {
         let lease = self.shared.config.lease;
         let mut ticks = tokio::time::interval_at(first, period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut in_flight = FuturesUnordered::new();
         loop {
-            ticks.tick().await;
-            let sent = Instant::now();
-            let extending = self.shared.store.extend(&self.scope, self.token, lease);
-            let extended = tokio::time::timeout(period, extending)
-                .await
-                .unwrap_or_else(|_| Err(renewal_unanswered()));
+            // A renewal answered, or `None`: the next is due.
+            let next = std::future::poll_fn(|cx| match in_flight.poll_next_unpin(cx) {
+                Poll::Ready(Some(answered)) => Poll::Ready(Some(answered)),
+                _ => ticks.poll_tick(cx).map(|_| None),
+            });
+            let Some((sent, extended)) = next.await else {
+                in_flight.push(self.renewal(Instant::now(), lease));
+                continue;
+            };
             self.shared
                 .state
                 .meters
                 .stored(Operation::Extend, sent, &extended);
             match extended {
-                Ok(Fenced::Applied) => self.renewals_mut(|renewals| renewals.applied = sent),
+                Ok(Fenced::Applied) => self.renewals_mut(|renewals| {
+                    renewals.applied = renewals.applied.max(sent);
+                }),
                 Ok(Fenced::Lost) => {
                     self.warn(
                         "lease lost while the handler ran: another request may execute this key",
@@ -228,10 +259,25 @@ impl Lease {
                     return std::future::pending().await;
                 }
                 Err(error) => {
-                    self.renewals_mut(|renewals| renewals.failed = Some(sent));
+                    self.renewals_mut(|renewals| {
+                        renewals.failed = renewals.failed.max(Some(sent));
+                    });
                     tracing::warn!(%error, "could not renew the idempotency lease");
                 }
             }
+        }
+    }
+
+    /// A renewal sent at `sent`, with its answer; given up a `lease` after it was sent.
+    fn renewal(
+        &self,
+        sent: Instant,
+        lease: Duration,
+    ) -> impl Future<Output = (Instant, store::Result<Fenced>)> + '_ {
+        let extending = self.shared.store.extend(&self.scope, self.token, lease);
+        async move {
+            let extended = tokio::time::timeout_at(sent + lease, extending).await;
+            (sent, extended.unwrap_or_else(|_| Err(renewal_unanswered())))
         }
     }
 
@@ -254,7 +300,9 @@ impl Lease {
     /// only bound there.
     ///
     /// A release renews nothing while it is retried: one that cannot land is the lease
-    /// running out, which frees the key as well.
+    /// running out, which frees the key as well. And no write is retried past three leases
+    /// from its first failure: renewals failing and applied by turns would otherwise keep
+    /// both bounds above from ever being reached.
     async fn write_until_settled<'a, F>(
         &'a self,
         operation: Operation,
@@ -311,6 +359,14 @@ impl Lease {
                     return Err(Unwritten {
                         error,
                         refused: refusable,
+                    });
+                }
+                // Renewals failing and applied by turns keep both counts above going:
+                // whatever they do, a write is not retried past a few leases.
+                if next >= failed_at + lease * WRITE_RETRY_LEASES {
+                    return Err(Unwritten {
+                        error,
+                        refused: false,
                     });
                 }
                 tracing::warn!(
