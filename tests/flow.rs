@@ -2101,9 +2101,9 @@ async fn renewals_answered_slowly_keep_the_lease(store: Arc<dyn Store>) {
     assert_eq!(handler.executions(), 1);
 }
 
-/// A renewal that hangs (sent on a dead connection) does not hold back the next: it counts
-/// as failed once the next is due, which renews the lease, so a duplicate sent after the
-/// lease would have run out still finds the key in progress. The renewals were awaited one
+/// A renewal that hangs (sent on a dead connection) does not hold back the next: that one
+/// is sent when due all the same and renews the lease, so a duplicate sent after the lease
+/// would have run out still finds the key in progress. The renewals were awaited one
 /// after another: the lease ran out under the running handler and the duplicate executed.
 async fn a_renewal_that_hangs_does_not_hold_back_the_next(store: Arc<dyn Store>) {
     let slow = Wrapped::new(store, Slow::default());

@@ -1231,8 +1231,8 @@ async fn a_statement_that_timed_out_on_a_lock_is_cancelled() {
 }
 
 /// Through the layer: the connection a handler's claim used goes dead without a reset while
-/// the handler runs (a failover, a NAT that dropped its state). Each renewal sent on it is
-/// given up when the next is due, and the next goes on a new connection: the lease holds,
+/// the handler runs (a failover, a NAT that dropped its state). The renewal sent on it hangs;
+/// the next ones, sent when due all the same, go on new connections: the lease holds,
 /// and a retry on another instance is told the payment is in progress. The renewals were
 /// awaited one after another, the first hung for good, the lease ran out under the handler,
 /// and the retry executed again.
@@ -1246,7 +1246,7 @@ async fn renewals_on_a_connection_gone_dead_keep_the_lease() {
     let through_proxy = {
         use tower_idempotency::deadpool_postgres::{Manager, Pool};
         let manager = Manager::new(url.parse().unwrap(), tokio_postgres::NoTls);
-        let pool = Pool::builder(manager).max_size(1).build().unwrap();
+        let pool = Pool::builder(manager).max_size(4).build().unwrap();
         PostgresStore::new(pool).table(schema, table).unwrap()
     };
     let lease = Duration::from_millis(1500);
