@@ -2207,6 +2207,73 @@ async fn a_write_failing_while_renewals_flap_is_given_up() {
     assert!(flapping.hooks.renewals.load(Ordering::SeqCst) >= 4);
 }
 
+/// Completions fail while `failing`; the `hung`-th renewal (from 1) hangs, as one sent on a
+/// dead connection would; the others are applied at once.
+#[derive(Debug, Default)]
+struct OneRenewalHung {
+    failing: std::sync::atomic::AtomicBool,
+    renewals: AtomicUsize,
+    hung: usize,
+}
+
+impl Hooks for OneRenewalHung {
+    fn before(&self, operation: Operation<'_>) -> tower_idempotency::store::Result<()> {
+        match operation {
+            Operation::Complete(_) if self.failing.load(Ordering::SeqCst) => {
+                Err(backend_error("completions fail for now"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn extend_delay(&self) -> Duration {
+        let n = self.renewals.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == self.hung {
+            Duration::from_secs(60)
+        } else {
+            Duration::ZERO
+        }
+    }
+}
+
+/// A record the store fails through a short blip, while one renewal hangs, is not taken as
+/// refused for good: a renewal unanswered when the next is due counts as failed, so the
+/// store has not applied every renewal for a lease. The hung renewal counted as nothing
+/// until a lease after it was sent, the record was taken as refused, and the retry of a
+/// payment that succeeded got `409 response_not_replayable`.
+#[tokio::test]
+async fn a_hung_renewal_does_not_make_a_record_failing_for_a_while_refused() {
+    let hooks = OneRenewalHung {
+        hung: 2,
+        ..OneRenewalHung::default()
+    };
+    hooks.failing.store(true, Ordering::SeqCst);
+    let wrapped = Wrapped::new(Arc::new(tower_idempotency::MemoryStore::new()), hooks);
+    let store: Arc<dyn Store> = wrapped.clone();
+    let handler = Handler::default();
+    let app = router(&handler, layer(&store).lease(Duration::from_millis(1500)));
+    let recovering = {
+        let wrapped = wrapped.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(2000)).await;
+            wrapped.hooks.failing.store(false, Ordering::SeqCst);
+        })
+    };
+    send(&app, post("/pay").key("hung-blip"))
+        .await
+        .assert_executed();
+    recovering.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let retry = send(&app, post("/pay").key("hung-blip")).await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, true),
+        "{:?}",
+        retry.json()
+    );
+    assert_eq!(handler.executions(), 1);
+}
+
 /// An outage from the completion on, longer than half the lease but shorter than it, fails
 /// the renewals too: the record is written once the store is back, not given up for a
 /// refusal to replay as one the store refuses for good would be.

@@ -241,7 +241,7 @@ impl Lease {
                 _ => ticks.poll_tick(cx).map(|_| None),
             });
             let Some((sent, extended)) = next.await else {
-                in_flight.push(self.renewal(Instant::now(), lease));
+                in_flight.push(self.renewal(Instant::now(), period, lease));
                 continue;
             };
             self.shared
@@ -269,13 +269,22 @@ impl Lease {
     }
 
     /// A renewal sent at `sent`, with its answer; given up a `lease` after it was sent.
+    /// Still unanswered when the next is due (`period`), it counts as failed meanwhile: a
+    /// write's retries must not take the store for one that applies every renewal (see
+    /// [`write_until_settled`](Self::write_until_settled)) while one hangs. Applied after
+    /// all, it counts then.
     fn renewal(
         &self,
         sent: Instant,
+        period: Duration,
         lease: Duration,
     ) -> impl Future<Output = (Instant, store::Result<Fenced>)> + '_ {
-        let extending = self.shared.store.extend(&self.scope, self.token, lease);
+        let mut extending = self.shared.store.extend(&self.scope, self.token, lease);
         async move {
+            if let Ok(extended) = tokio::time::timeout_at(sent + period, &mut extending).await {
+                return (sent, extended);
+            }
+            self.renewals_mut(|renewals| renewals.failed = renewals.failed.max(Some(sent)));
             let extended = tokio::time::timeout_at(sent + lease, extending).await;
             (sent, extended.unwrap_or_else(|_| Err(renewal_unanswered())))
         }
