@@ -2003,16 +2003,24 @@ impl Hooks for Slow {
     }
 }
 
+/// `store` behind [`Slow`] hooks, and the test handler behind a layer `configured` on it.
+fn slowed(
+    store: Arc<dyn Store>,
+    configured: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+) -> (Arc<Wrapped<Slow>>, Handler, Router) {
+    let slow = Wrapped::new(store, Slow::default());
+    let wrapped: Arc<dyn Store> = slow.clone();
+    let handler = Handler::default();
+    let app = router(&handler, configured(layer(&wrapped)));
+    (slow, handler, app)
+}
+
 /// A claim answered a whole lease after it was sent (held up behind a lock, on a slow
 /// connection) is not executed: `503`, and the claim released at once, so the retry
 /// executes without waiting for the lease. It was executed, its lease perhaps over by the
 /// store's clock, while a retry could claim the key and execute too.
 async fn a_claim_answered_after_its_lease_is_not_executed(store: Arc<dyn Store>) {
-    let slow = Wrapped::new(store, Slow::default());
-    let wrapped: Arc<dyn Store> = slow.clone();
-    let handler = Handler::default();
-    let lease = Duration::from_secs(1);
-    let app = router(&handler, layer(&wrapped).lease(lease));
+    let (slow, handler, app) = slowed(store, |layer| layer.lease(Duration::from_secs(1)));
     slow.hooks.claims_ms.store(1300, Ordering::SeqCst);
     let late = send(&app, post("/pay").key("answered-late")).await;
     assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE);
@@ -2031,11 +2039,8 @@ async fn a_claim_answered_after_its_lease_is_not_executed(store: Arc<dyn Store>)
 /// answered. Scheduled from its answer, the first renewal came after the lease had run
 /// out, and a duplicate sent meanwhile executed.
 async fn a_claim_answered_late_is_renewed_in_time(store: Arc<dyn Store>) {
-    let slow = Wrapped::new(store, Slow::default());
-    let wrapped: Arc<dyn Store> = slow.clone();
-    let handler = Handler::default();
     let lease = Duration::from_millis(1500);
-    let app = router(&handler, layer(&wrapped).lease(lease));
+    let (slow, handler, app) = slowed(store, |layer| layer.lease(lease));
     slow.hooks.claim_answers_ms.store(1100, Ordering::SeqCst);
     let original = spawn_send(&app, post("/pay").key("late").header("x-sleep-ms", "2000"));
     tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -2055,13 +2060,9 @@ async fn a_claim_answered_late_is_renewed_in_time(store: Arc<dyn Store>) {
 /// With `fail_open`, a claim answered after its lease is not executed either: `503`. It was
 /// executed unprotected while its key was released behind it, and the retry executed too.
 async fn a_claim_answered_after_its_lease_is_not_executed_failing_open(store: Arc<dyn Store>) {
-    let slow = Wrapped::new(store, Slow::default());
-    let wrapped: Arc<dyn Store> = slow.clone();
-    let handler = Handler::default();
-    let app = router(
-        &handler,
-        layer(&wrapped).lease(Duration::from_secs(1)).fail_open(),
-    );
+    let (slow, handler, app) = slowed(store, |layer| {
+        layer.lease(Duration::from_secs(1)).fail_open()
+    });
     slow.hooks.claims_ms.store(1300, Ordering::SeqCst);
     let late = send(&app, post("/pay").key("late-open")).await;
     assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE);
@@ -2077,11 +2078,8 @@ async fn a_claim_answered_after_its_lease_is_not_executed_failing_open(store: Ar
 /// lease: each counts when it lands, the next sent when due all the same. Given up at the
 /// next one's time, none of them counted, and a duplicate executed under the handler.
 async fn renewals_answered_slowly_keep_the_lease(store: Arc<dyn Store>) {
-    let slow = Wrapped::new(store, Slow::default());
-    let wrapped: Arc<dyn Store> = slow.clone();
-    let handler = Handler::default();
     let lease = Duration::from_millis(1500);
-    let app = router(&handler, layer(&wrapped).lease(lease));
+    let (slow, handler, app) = slowed(store, |layer| layer.lease(lease));
     slow.hooks.renewals_ms.store(700, Ordering::SeqCst);
     let original = spawn_send(
         &app,
@@ -2106,11 +2104,8 @@ async fn renewals_answered_slowly_keep_the_lease(store: Arc<dyn Store>) {
 /// would have run out still finds the key in progress. The renewals were awaited one
 /// after another: the lease ran out under the running handler and the duplicate executed.
 async fn a_renewal_that_hangs_does_not_hold_back_the_next(store: Arc<dyn Store>) {
-    let slow = Wrapped::new(store, Slow::default());
-    let wrapped: Arc<dyn Store> = slow.clone();
-    let handler = Handler::default();
     let lease = Duration::from_millis(1500);
-    let app = router(&handler, layer(&wrapped).lease(lease));
+    let (slow, handler, app) = slowed(store, |layer| layer.lease(lease));
     slow.hooks.next_renewal_ms.store(60_000, Ordering::SeqCst);
     let original = spawn_send(&app, post("/pay").key("hung").header("x-sleep-ms", "3500"));
     tokio::time::sleep(lease + Duration::from_millis(800)).await;
